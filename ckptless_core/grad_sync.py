@@ -1,0 +1,46 @@
+"""Data-parallel gradient averaging over one flat buffer in a fixed parameter order.
+
+Unlike DDP, whose buckets are rebuilt (and may reorder) when it is re-created, the buffer layout here is a pure
+function of the module's parameter order, so the summation order stays the same when a worker is replaced.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class FlatGradients:
+    """Makes every parameter's `.grad` a view into one contiguous buffer, with extra slots for scalars to reduce.
+
+    Backward accumulates straight into the buffer, so one all-reduce synchronises all gradients (and the
+    scalars, such as the loss sum) without copies.
+    """
+
+    def __init__(self, parameters, *, num_scalars: int = 1) -> None:
+        self.parameters = [p for p in parameters if p.requires_grad]
+        dtypes = {p.dtype for p in self.parameters}
+        assert len(dtypes) == 1, f"one flat buffer needs one parameter dtype, got {dtypes}"
+        device = self.parameters[0].device
+        numel = sum(p.numel() for p in self.parameters)
+        self.buffer = torch.zeros(numel + num_scalars, dtype=dtypes.pop(), device=device)
+        self.scalars = self.buffer[numel:]
+        offset = 0
+        for param in self.parameters:
+            param.grad = self.buffer[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+
+    def zero(self) -> None:
+        self.buffer.zero_()
+
+    def all_reduce(self, *, group=None, timeout_s: float | None = None) -> None:
+        """Sum the buffer over the group (the caller pre-scales so the sum is the global mean); bounded wait."""
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        work = dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout_s))

@@ -1,0 +1,87 @@
+"""`python -m launcher recipe=<name> [key=value ...]`: compose, validate, plan, then run (or just print the plan)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from launcher.compose import available_options, compose_job, recipe_launch_line
+from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, ConfigError
+from launcher.local import run_local
+from launcher.plan import build_plan, check_fits, format_plan
+from launcher.rundir import check_run_dir, create_run_dir, resolve_run_dir
+from recipes.pretrain import prepare
+from recipes.schema import save_config
+
+USAGE = """usage: python -m launcher recipe=<name> [group=<option> ...] [key=value ...] [--cfg job] [--help]
+
+Train a recipe on a cluster; any config field can be overridden Hydra-style (key=value, group=option).
+  --cfg job    print the composed config and exit
+  --help       this text
+
+Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, dry_run,
+  data=text_files data.paths=[a.txt,b.txt], trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
+  model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. The README has the full reference.
+
+Exit codes: 0 completed, 2 bad input (nothing started), 3 the job failed while running, 130 interrupted."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(help_text())
+        return EXIT_OK
+    print_cfg = _pop_cfg_flag(args)
+    started_at = time.time()
+    try:
+        composed = compose_job(args)
+        if print_cfg:
+            print(composed.yaml, end="")
+            return EXIT_OK
+        job = composed.job
+        run_dir = resolve_run_dir(job, recipe=composed.recipe)
+        plan = build_plan(job)
+        if job.dry_run:
+            print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir))
+            print("dry run: nothing was started or written")
+            return EXIT_OK
+        check_fits(job, plan)
+        check_run_dir(run_dir, overwrite=job.run.overwrite)
+        prepare(job)
+    except ConfigError as error:
+        return _bad_input(error)
+    except ValueError as error:  # the recipe's checks (data, tokenizer, model fields) raise ValueError
+        return _bad_input(error)
+    create_run_dir(run_dir)
+    save_config(job, run_dir / "config.yaml")
+    print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir), flush=True)
+    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=started_at)
+
+
+def help_text() -> str:
+    options = available_options()
+    lines = [USAGE, "", "Recipes:"]
+    lines += [f"  {name:<14} {recipe_launch_line(name)}" for name in options.pop("recipe", [])]
+    lines += ["", "Config groups (group=option):"]
+    lines += [f"  {group:<14} {', '.join(names)}" for group, names in options.items()]
+    return "\n".join(lines)
+
+
+def _pop_cfg_flag(args: list[str]) -> bool:
+    for flag in ("--cfg", "-c"):
+        if flag in args:
+            i = args.index(flag)
+            value = args[i + 1] if i + 1 < len(args) else None
+            if value != "job":
+                raise SystemExit(_bad_input(ConfigError(f"{flag} takes 'job' (print the composed config)")))
+            del args[i : i + 2]
+            return True
+    return False
+
+
+def _bad_input(error: Exception) -> int:
+    print(f"error: {error}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+__all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_JOB_FAILED", "EXIT_INTERRUPTED"]

@@ -1,0 +1,75 @@
+"""The local cluster backend: hands the job to a `ckptless_core` supervisor on this machine and reports."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from ckptless_core.supervisor import JobOutcome, JobSpec, Supervisor
+from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from launcher.plan import threads_per_worker
+from launcher.progress import ConsoleProgress
+from launcher.summary import build_summary, write_summary
+from recipes.schema import JobConfig
+
+ENTRY = "recipes.pretrain:main"
+PRELOAD = ("recipes.pretrain",)
+"""Imported once by the fork server (torch, transformers, the recipe): workers start without paying for it."""
+
+
+def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) -> int:
+    threads = threads_per_worker(job)
+    spec = JobSpec(
+        entry=ENTRY,
+        nproc=job.cluster.nproc,
+        run_dir=run_dir,
+        preload=PRELOAD,
+        threads_per_worker=threads,
+        store_timeout_s=job.cluster.start_timeout_s,
+    )
+    supervisor = Supervisor(spec)
+    progress = ConsoleProgress(
+        run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
+    )
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupted = False
+    try:
+        supervisor.start()
+        while (outcome := supervisor.poll()) is None:
+            progress.update()
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        interrupted = True
+        outcome = JobOutcome(ok=False, exit_codes={}, message="interrupted (Ctrl-C or SIGTERM)")
+    finally:
+        supervisor.close()
+        progress.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    outcome.exit_codes.update({n: p.exitcode for n, p in supervisor.processes.items()})
+    summary = build_summary(
+        run_dir,
+        outcome=outcome,
+        recipe=recipe,
+        wall_s=time.time() - started_at,
+        world_size=job.cluster.nproc,
+        threads_per_worker=threads,
+    )
+    write_summary(run_dir, summary)
+    print(_one_line(summary, run_dir), flush=True)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
+
+
+def _one_line(summary: dict, run_dir: Path) -> str:
+    if summary["status"] == "completed":
+        return (
+            f"completed {summary['steps']} steps in {summary['wall_s']:.1f} s, final loss {summary['final_loss']:.4f}, "
+            f"param_sha256 {summary['param_sha256'][:16]}..., outputs in {run_dir}"
+        )
+    return f"FAILED: {summary['message']}; see {run_dir}/logs/ and {run_dir}/summary.json"
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

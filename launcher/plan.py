@@ -1,0 +1,164 @@
+"""The job plan: model size on the meta device, memory per rank, tokens per step, worker commands, fit check."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from launcher.errors import ConfigError
+from recipes.model import build_model
+from recipes.schema import JobConfig
+
+GIB = 1024**3
+WEIGHT_BYTES = 4
+"""fp32 master weights (bf16 runs autocast the compute, the weights stay fp32)."""
+GRAD_BYTES = 4
+"""fp32 gradients in one flat buffer."""
+ADAM_BYTES = 8
+"""AdamW's two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    architecture: str
+    """The transformers class, e.g. `LlamaForCausalLM`."""
+    total_params: int
+    """Every parameter, tied ones once."""
+    active_params: int
+    """Parameters used per token: MoE experts scaled by experts-per-token / experts; the input embedding excluded
+    (a lookup, not compute), the unembedding included."""
+    weights_bytes: int
+    """Per rank: the full replica of the weights (data parallelism)."""
+    grads_bytes: int
+    """Per rank: gradients."""
+    optimizer_bytes: int
+    """Per rank: optimizer state."""
+    activations_bytes: int
+    """Per rank: a rough estimate of one micro-batch's saved activations."""
+    tokens_per_step: int
+    """Global batch x sequence length."""
+    grad_accum_steps: int
+    """Micro-batches per worker per step."""
+    nproc: int
+    """Data-parallel workers."""
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+def build_plan(job: JobConfig) -> Plan:
+    """Builds the model on the meta device (no memory) and derives what each rank would hold."""
+    model = build_model(job.model, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    config = model.config
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts and num_experts:
+        experts_inactive = experts - experts * config.num_experts_per_tok // num_experts
+    else:
+        experts_inactive = 0
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    input_embedding = 0 if tied else model.get_input_embeddings().weight.numel()
+    trainer = job.trainer
+    return Plan(
+        architecture=type(model).__name__,
+        total_params=total,
+        active_params=total - experts_inactive - input_embedding,
+        weights_bytes=total * WEIGHT_BYTES,
+        grads_bytes=total * GRAD_BYTES,
+        optimizer_bytes=total * ADAM_BYTES,
+        activations_bytes=_activation_bytes(job, config),
+        tokens_per_step=trainer.global_batch_size * job.data.seq_len,
+        grad_accum_steps=trainer.global_batch_size // (job.cluster.nproc * trainer.micro_batch_size),
+        nproc=job.cluster.nproc,
+    )
+
+
+def _activation_bytes(job: JobConfig, config) -> int:
+    """Rough saved-activation size of one micro-batch (no activation checkpointing): about 34 hidden-sized
+    values per token per layer plus the fp32 logits, after Korthikanti et al. 2022; an estimate, not a bound."""
+    tokens = job.trainer.micro_batch_size * job.data.seq_len
+    bytes_per_value = 2 if job.trainer.precision == "bf16" else 4
+    layers = tokens * config.hidden_size * config.num_hidden_layers * 34 * bytes_per_value // 2
+    logits = tokens * config.vocab_size * 4 * 2
+    return layers + logits
+
+
+def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "<store port>") -> list[str]:
+    """What each worker runs: the supervisor forks these from a pre-imported parent, the same entry and env."""
+    n = job.cluster.nproc
+    return [
+        f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
+        f"CKPTLESS_RUN_DIR={run_dir} OMP_NUM_THREADS={threads_per_worker(job)} "
+        f"python -m recipes.pretrain {run_dir / 'config.yaml'}"
+        for r in range(n)
+    ]
+
+
+def threads_per_worker(job: JobConfig) -> int:
+    if job.cluster.threads_per_worker:
+        return job.cluster.threads_per_worker
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // job.cluster.nproc)
+
+
+def available_memory_bytes(job: JobConfig) -> tuple[int, str]:
+    """Memory the job's ranks share on this machine, and where the number came from."""
+    if job.cluster.memory_limit_gib is not None:
+        return int(job.cluster.memory_limit_gib * GIB), "cluster.memory_limit_gib"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory * job.cluster.nproc, "GPU memory"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable in /proc/meminfo"
+    except (OSError, KeyError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+
+
+def check_fits(job: JobConfig, plan: Plan) -> None:
+    """Refuse, before any worker starts, a job whose ranks would not fit in this machine's memory."""
+    need = plan.per_rank_bytes * plan.nproc
+    have, source = available_memory_bytes(job)
+    if need > have:
+        raise ConfigError(
+            f"the job needs about {need / GIB:,.1f} GiB ({plan.nproc} ranks x {plan.per_rank_bytes / GIB:,.1f} GiB: "
+            f"{plan.total_params:,} parameters with fp32 weights, gradients and AdamW state, plus activations) "
+            f"but this machine has {have / GIB:,.1f} GiB ({source}). Run with dry_run=true to see the plan, "
+            "pick a smaller recipe (tiny_llama, tiny_gpt_oss), lower trainer.micro_batch_size or cluster.nproc, "
+            "or run on a cluster with enough memory"
+        )
+
+
+def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> str:
+    rows = [
+        ("recipe", f"{recipe} ({plan.architecture})"),
+        ("parameters", f"{plan.total_params:,} total; {plan.active_params:,} active per token"),
+        ("", "(active: experts scaled by experts per token, unembedding counted, input embedding not)"),
+        ("layout", f"data parallel, {plan.nproc} full replicas ({job.cluster.kind} cluster)"),
+        (
+            "per rank",
+            f"{_gib(plan.per_rank_bytes)} = weights {_gib(plan.weights_bytes)} + grads "
+            f"{_gib(plan.grads_bytes)} + AdamW state {_gib(plan.optimizer_bytes)} + activations "
+            f"~{_gib(plan.activations_bytes)}",
+        ),
+        (
+            "tokens/step",
+            f"{plan.tokens_per_step:,} ({job.trainer.global_batch_size} samples x {job.data.seq_len}); "
+            f"{plan.grad_accum_steps} micro-batch(es) of {job.trainer.micro_batch_size} per worker",
+        ),
+        ("steps", f"{job.trainer.max_steps:,} ({plan.tokens_per_step * job.trainer.max_steps:,} tokens)"),
+        ("run dir", str(run_dir)),
+    ]
+    lines = [f"{key:>12}  {value}" for key, value in rows]
+    lines.append("     workers")
+    lines += [f"    {command}" for command in worker_commands(job, run_dir=run_dir)]
+    return "\n".join(lines)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:,.2f} GiB" if num_bytes >= GIB / 100 else f"{num_bytes / 1024**2:,.1f} MiB"

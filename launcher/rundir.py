@@ -1,0 +1,48 @@
+"""The run directory: where it is, refusing to clobber an earlier run, and what a run leaves in it."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from launcher.errors import ConfigError
+from recipes.schema import JobConfig
+
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors", "events", "logs")
+"""What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there."""
+
+
+def resolve_run_dir(job: JobConfig, *, recipe: str) -> Path:
+    """`run.dir`, else a fresh `outputs/<recipe>/<timestamp>` under the current directory."""
+    if job.run.dir is not None:
+        return Path(job.run.dir).expanduser().absolute()
+    base = Path("outputs") / recipe / time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = base, 1
+    while candidate.exists():
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return candidate.absolute()
+
+
+def check_run_dir(path: Path, *, overwrite: bool) -> None:
+    """Bad input: an existing non-empty directory without `run.overwrite=true`, or a file in the way."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run.dir={path} exists and is not a directory; choose another run.dir")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"run.dir={path} already holds files (an earlier run?); choose another run.dir, "
+            "or pass run.overwrite=true to replace that run's outputs"
+        )
+
+
+def create_run_dir(path: Path) -> None:
+    """Create the run directory, removing an earlier run's outputs (only reached with run.overwrite=true)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in RUN_OUTPUTS:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    (path / "events").mkdir()
+    (path / "logs").mkdir()

@@ -1,0 +1,44 @@
+"""AdamW with decoupled weight decay on matrices only, and a linear-warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from recipes.schema import OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW where weight decay applies to matrices (embeddings, projections, experts), not to norms or biases."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=config.lr, betas=tuple(config.betas), eps=config.eps, foreach=True
+    )
+
+
+def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer, config: OptimConfig, *, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step, warmup_steps=config.warmup_steps, max_steps=max_steps, min_lr_ratio=config.min_lr_ratio
+        ),
+    )

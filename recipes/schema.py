@@ -1,0 +1,136 @@
+"""The typed job configuration: one dataclass per config section.
+
+The launcher composes these from the Hydra tree and validates them; workers load the resolved
+`config.yaml` back into the same dataclasses with `load_config`, without Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class RunConfig:
+    dir: str | None = None
+    """Run directory; default `outputs/<recipe>/<timestamp>` under the current directory."""
+    overwrite: bool = False
+    """Allow writing into an existing non-empty run directory."""
+
+
+@dataclass
+class ModelConfig:
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face config fields, `model_type` first (`llama`, `gpt_oss`, ...); built with `AutoConfig.for_model`."""
+    pretrained: str | None = None
+    """Local directory with a Hugging Face config and weights; replaces `hf_config` when set."""
+    attn_implementation: str = "eager"
+    """Attention kernel passed to transformers (`eager`, `sdpa`, ...)."""
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = None
+    """Local Hugging Face tokenizer directory; null means the built-in byte-level tokenizer."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """`synthetic` (built-in corpus), `text_files`, or `hf_dataset`."""
+    paths: list[str] = field(default_factory=list)
+    """Files to read for `text_files` and for `hf_dataset` from local files."""
+    name: str | None = None
+    """`hf_dataset` only: a dataset name on the hub (needs network) instead of `paths`."""
+    split: str = "train"
+    """`hf_dataset` only: the split to read."""
+    text_field: str = "text"
+    """`hf_dataset` only: the column that holds the text."""
+    seq_len: int = 128
+    """Tokens per training sample (the model sees `seq_len` inputs and predicts `seq_len` targets)."""
+    synthetic_num_bytes: int = 2_000_000
+    """`synthetic` only: size of the generated corpus."""
+    cache_dir: str | None = None
+    """Where token files are cached; default `$CKPTLESS_CACHE` or `~/.cache/ckptless`."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Samples per optimizer step, over all data-parallel workers."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one worker; accumulation fills the rest of the global batch."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: str = "fp32"
+    """`fp32`, or `bf16` autocast (fp32 master weights)."""
+    log_every: int = 1
+    """Write a `metrics.jsonl` line every this many steps."""
+    print_every: int = 10
+    """Print a console line every this many steps."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms, biases or 1-D tensors)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to `lr`."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at `lr * min_lr_ratio` at `trainer.max_steps`."""
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"
+    """Where workers run. Only `local` (this machine) exists for now."""
+    nproc: int = 2
+    """Data-parallel worker processes."""
+    backend: str = "auto"
+    """Collective backend: `auto` (NCCL when CUDA is present, else gloo), `gloo` or `nccl`."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker; 0 means CPU cores divided by `nproc` (at least 1)."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every collective and of the process-group rendezvous."""
+    start_timeout_s: float = 300.0
+    """How long workers may take to start and join before the job fails."""
+    memory_limit_gib: float | None = None
+    """Memory available to the job for the fit check; default: what this machine reports as available."""
+
+
+@dataclass
+class JobConfig:
+    seed: int = 0
+    """Seeds model initialisation and the data order."""
+    dry_run: bool = False
+    """Print the plan (model size, memory per rank, tokens per step, worker commands) and start nothing."""
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read a resolved `config.yaml` (as the launcher wrote it) into a `JobConfig`; unknown keys are refused."""
+    schema = OmegaConf.structured(JobConfig)
+    merged = OmegaConf.merge(schema, OmegaConf.load(path))
+    return OmegaConf.to_object(merged)
+
+
+def save_config(config: JobConfig, path: str | Path) -> None:
+    """Write `config` as YAML that `load_config` reads back to an equal object."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))

@@ -1,0 +1,105 @@
+"""Tokenizers: the built-in byte-level one for tiny recipes and any local Hugging Face tokenizer.
+
+Both expose the same small surface the data pipeline needs: `encode`, `decode`, `eos_id`, `vocab_size` and an
+`identity` string that changes whenever the tokenizer would produce different ids (token-file cache keys use it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+from recipes.schema import TokenizerConfig
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+    vocab_size: int
+
+    @property
+    def identity(self) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the ids 0..255; 256 marks the end of a document."""
+
+    eos_id = 256
+    vocab_size = 257
+
+    @property
+    def identity(self) -> str:
+        return "byte-level-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) != self.eos_id).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory (never from the hub)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = Path(path)
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        if self._tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"the tokenizer in {self.path} has no eos token; documents are separated by it. "
+                "Set `eos_token` in its tokenizer_config.json."
+            )
+        self.eos_id: int = int(self._tokenizer.eos_token_id)
+        self.vocab_size: int = len(self._tokenizer)
+        self._identity = "hf-" + _hash_directory(self.path)
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    def encode(self, text: str) -> list[int]:
+        # verbose=False: token files are long streams, the model_max_length warning does not apply to them.
+        return self._tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
+    """The byte-level tokenizer when `config.path` is null, else the Hugging Face tokenizer in that directory."""
+    if config.path is None:
+        return ByteTokenizer()
+    path = Path(config.path).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"tokenizer.path={config.path!r} is not a directory; point it at a local Hugging Face tokenizer "
+            "directory (with tokenizer.json / tokenizer_config.json), or set tokenizer.path=null for bytes."
+        )
+    return HFTokenizer(path)
+
+
+# A tokenizer directory is often a whole model directory: hashing multi-GB weights would cost minutes per launch.
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
+
+
+def _hash_directory(path: Path) -> str:
+    """sha256 over the tokenizer's files (names and bytes), so any edit to the tokenizer changes the hash.
+
+    Weights and hidden entries (download caches with timestamps) are skipped: they do not change the ids.
+    """
+    digest = hashlib.sha256()
+    for file in sorted(path.rglob("*")):
+        relative = file.relative_to(path)
+        if not file.is_file() or file.suffix in _WEIGHT_SUFFIXES or any(p.startswith(".") for p in relative.parts):
+            continue
+        data = file.read_bytes()
+        digest.update(f"{relative.as_posix()}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()

@@ -1,0 +1,80 @@
+"""The launcher's command line: help, printed config, dry runs of the big recipes, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_help_lists_recipes_and_groups(launch):
+    proc = launch("--help")
+    assert proc.returncode == 0
+    for name in ("tiny_llama", "tiny_gpt_oss", "llama3_8b", "gpt_oss_20b", "cluster", "data", "text_files"):
+        assert name in proc.stdout
+
+
+def test_cfg_job_prints_the_composed_config_with_overrides(launch, tmp_path):
+    proc = launch("recipe=tiny_llama", "trainer.max_steps=7", "seed=3", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "max_steps: 7" in proc.stdout and "seed: 3" in proc.stdout and "model_type: llama" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "total", "active"),
+    [
+        ("llama3_8b", "8,030,261,248 total", "7,504,924,672 active"),
+        ("gpt_oss_20b", "20,914,757,184 total", "3,608,307,264 active"),
+    ],
+)
+def test_dry_run_plans_a_big_model_and_writes_nothing(launch, tmp_path, recipe, total, active):
+    proc = launch(f"recipe={recipe}", "dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert total in proc.stdout and active in proc.stdout
+    assert "AdamW state" in proc.stdout and "tokens/step" in proc.stdout
+    assert proc.stdout.count("python -m recipes.pretrain") == 8
+    assert list(tmp_path.iterdir()) == []
+
+
+BAD_INPUTS = {
+    "unknown key": (["trainer.max_stepz=3"], "max_stepz"),
+    "unknown key added with +": (["+trainer.foo=3"], "foo"),
+    "unknown model field": (["+model.hf_config.hiden_size=3"], "hiden_size"),
+    "wrong type": (["trainer.max_steps=many"], "max_steps"),
+    "unknown recipe": (["recipe=tiny_lama"], "tiny_lama"),
+    "missing data file": (["data=text_files", "data.paths=[/no/such/file.txt]"], "/no/such/file.txt"),
+    "text files without paths": (["data=text_files"], "data.paths"),
+    "world size does not divide the batch": (["cluster.nproc=3"], "global_batch_size"),
+    "unknown cluster": (["cluster=slurm"], "cluster/slurm"),
+    "cluster kind not available yet": (["cluster.kind=kubernetes"], "kubernetes"),
+    "model too big for the machine": (["recipe=llama3_8b"], "GiB"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_with_a_clear_message(launch, tmp_path, case):
+    overrides, expected = BAD_INPUTS[case]
+    recipe = [] if any(o.startswith("recipe=") for o in overrides) else ["recipe=tiny_llama"]
+    proc = launch(*recipe, *overrides, "trainer.max_steps=2", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "keep.txt").write_text("an earlier run")
+    proc = launch("recipe=tiny_llama", f"run.dir={run_dir}", "trainer.max_steps=2")
+    assert proc.returncode == 2
+    assert "run.overwrite=true" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
+    proc = launch("recipe=tiny_llama", f"run.dir={run_dir}", "trainer.max_steps=2", "run.overwrite=true")
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "keep.txt").exists() and (run_dir / "summary.json").exists()
+
+
+def test_missing_recipe_is_refused(launch, tmp_path):
+    proc = launch(cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "recipe=" in proc.stderr and "tiny_llama" in proc.stderr

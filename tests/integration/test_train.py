@@ -1,0 +1,80 @@
+"""Training runs through `python -m launcher`, read back from what they wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptless_core.state_hash import param_sha256
+from tests.conftest import read_metrics, read_summary
+
+SHORT = ("trainer.max_steps=20", "trainer.print_every=5")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_run(launch, tmp_path_factory):
+    """The recipe as a user runs it: its default steps, two workers."""
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny_llama"
+    return launch("recipe=tiny_llama", f"run.dir={run_dir}"), run_dir
+
+
+@pytest.fixture(scope="module")
+def short_two_workers(launch, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "short2"
+    return launch("recipe=tiny_llama", *SHORT, f"run.dir={run_dir}"), run_dir
+
+
+def test_tiny_llama_trains_and_the_loss_halves(tiny_llama_run):
+    proc, run_dir = tiny_llama_run
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    summary = read_summary(run_dir)
+    metrics = read_metrics(run_dir)
+    assert summary["status"] == "completed"
+    assert summary["steps"] == 100 and summary["world_size"] == 2
+    assert [m["step"] for m in metrics] == list(range(1, 101))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] / 2
+    assert summary["final_loss"] == pytest.approx(metrics[-1]["loss"])
+    assert "step 100/100 | loss" in proc.stdout and "tok/s" in proc.stdout
+    assert {"torch", "transformers", "threads_per_worker"} <= set(summary["provenance"])
+
+
+def test_run_directory_holds_what_users_read(tiny_llama_run):
+    _, run_dir = tiny_llama_run
+    assert (run_dir / "config.yaml").is_file()
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["worker0.log", "worker1.log"]
+    for path in (run_dir / "events").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            assert {"t", "event", "worker", "rank"} <= set(event)
+    # Anyone can recompute the fingerprint from the saved weights.
+    weights = load_file(str(run_dir / "model.safetensors"))
+    assert param_sha256(weights) == read_summary(run_dir)["param_sha256"]
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_same_seed_twice_gives_the_same_parameters(launch, short_two_workers, tmp_path):
+    first, first_dir = short_two_workers
+    second = launch("recipe=tiny_llama", *SHORT, f"run.dir={tmp_path / 'again'}")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert read_summary(first_dir)["param_sha256"] == read_summary(tmp_path / "again")["param_sha256"]
+
+
+def test_one_worker_and_two_workers_agree_on_the_loss(launch, short_two_workers, tmp_path):
+    _, two_dir = short_two_workers
+    one = launch("recipe=tiny_llama", *SHORT, "cluster.nproc=1", f"run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr
+    assert read_summary(tmp_path / "one")["world_size"] == 1
+    one_losses = [m["loss"] for m in read_metrics(tmp_path / "one")]
+    two_losses = [m["loss"] for m in read_metrics(two_dir)]
+    assert one_losses == pytest.approx(two_losses, rel=1e-3)
+
+
+def test_tiny_gpt_oss_trains(launch, tmp_path):
+    proc = launch("recipe=tiny_gpt_oss", f"run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    metrics = read_metrics(tmp_path)
+    assert read_summary(tmp_path)["status"] == "completed"
+    assert metrics[-1]["loss"] < metrics[0]["loss"] / 2
