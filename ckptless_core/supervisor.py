@@ -7,6 +7,7 @@ once, so each worker starts in a fraction of a second instead of paying the impo
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -79,8 +80,7 @@ class Supervisor:
             wait_for_workers=False,
             timeout=timedelta(seconds=self.spec.store_timeout_s),
         )
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(self.spec.preload))
+        context = start_fork_server(self.spec.preload)
         for rank in range(self.spec.nproc):
             self._start_worker(context, rank=rank)
 
@@ -157,6 +157,17 @@ class Supervisor:
         self.stop()
         self.events.close()
         self.store = None
+
+
+def start_fork_server(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    """Start the fork server now, importing `preload` in the background, so later worker starts are fast.
+
+    Calling it early (before other start-up work) overlaps those imports with that work. Idempotent.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 def _signal(process, signum: int) -> None:

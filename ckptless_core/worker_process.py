@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
+import select
 import signal
 import sys
-
-_PR_SET_PDEATHSIG = 1
+import threading
+import time
 
 
 def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, supervisor_pid: int) -> None:
     """Worker process body: never outlives the supervisor, logs to its own file, then runs `module:function`."""
-    _die_with_parent()
-    if not _alive(supervisor_pid):
-        os._exit(1)
+    _exit_with_supervisor(supervisor_pid)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -37,12 +35,28 @@ def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, 
     sys.exit(code or 0)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the fork server, which ends with the supervisor) dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _exit_with_supervisor(pid: int) -> None:
+    """SIGKILL this worker as soon as the supervisor process is gone, however it ended.
+
+    The fork server's children keep its lifeline pipe open, so the fork server cannot take them down with it;
+    each worker watches the supervisor itself (a pidfd on Linux, polling elsewhere).
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is None and not _alive(pid):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while _alive(pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import time
 
 from launcher.compose import available_options, compose_job, recipe_launch_line
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, ConfigError
-from launcher.local import run_local
+from launcher.local import run_local, warm_up_workers
 from launcher.plan import build_plan, check_fits, format_plan
 from launcher.rundir import check_run_dir, create_run_dir, resolve_run_dir
 from recipes.pretrain import prepare
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             print(composed.yaml, end="")
             return EXIT_OK
         job = composed.job
+        if not job.dry_run:
+            warm_up_workers(job)
         run_dir = resolve_run_dir(job, recipe=composed.recipe)
         plan = build_plan(job)
         if job.dry_run:

@@ -6,16 +6,21 @@ import signal
 import time
 from pathlib import Path
 
-from ckptless_core.supervisor import JobOutcome, JobSpec, Supervisor
+from ckptless_core.supervisor import JobOutcome, JobSpec, Supervisor, start_fork_server
 from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
 from launcher.summary import build_summary, write_summary
+from recipes.pretrain import worker_preload
 from recipes.schema import JobConfig
 
 ENTRY = "recipes.pretrain:main"
-PRELOAD = ("recipes.pretrain",)
-"""Imported once by the fork server (torch, transformers, the recipe): workers start without paying for it."""
+
+
+def warm_up_workers(job: JobConfig) -> None:
+    """Start the fork server now: its imports (torch, transformers, the model's code) overlap the launcher's
+    own checks, and every worker forked from it later starts without paying for them."""
+    start_fork_server(worker_preload(job))
 
 
 def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) -> int:
@@ -24,7 +29,7 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
         entry=ENTRY,
         nproc=job.cluster.nproc,
         run_dir=run_dir,
-        preload=PRELOAD,
+        preload=worker_preload(job),
         threads_per_worker=threads,
         store_timeout_s=job.cluster.start_timeout_s,
     )

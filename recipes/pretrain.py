@@ -42,6 +42,20 @@ def prepare(job: JobConfig) -> Path:
     return prepare_token_file(job.data, tokenizer)
 
 
+def worker_preload(job: JobConfig) -> tuple[str, ...]:
+    """Modules a fork server should import before forking workers: this entry point and the model's code
+    (transformers imports model classes lazily, which costs seconds in every new process otherwise)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = build_hf_config(job.model).model_type
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    modules = ("recipes.pretrain",)
+    if class_name is not None:
+        package = model_type.replace("-", "_")
+        modules += (f"transformers.models.{package}.modeling_{package}",)
+    return modules
+
+
 def micro_batches(job: JobConfig, env: WorkerEnv) -> list[list[int]]:
     """This rank's global sample indices of every step, split into micro-batches (gradient accumulation)."""
     indices = rank_sample_indices(

@@ -1,0 +1,97 @@
+"""The supervisor under real failures: a worker killed, the launcher killed, the launcher interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ckptless_core.events import read_jsonl
+from tests.conftest import OFFLINE, read_summary
+
+LONG_RUN = ("recipe=tiny_llama", "trainer.max_steps=2000")
+
+
+def start_launcher(run_dir: Path, token_cache: Path) -> subprocess.Popen:
+    env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *LONG_RUN, f"run.dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for(predicate, *, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def training_workers(run_dir: Path) -> dict[str, int]:
+    """Worker name -> pid, once both workers have committed a step."""
+    events = list(read_jsonl(run_dir / "events" / "supervisor.jsonl"))
+    pids = {e["worker_name"]: e["pid"] for e in events if e["event"] == "worker_started"}
+    steps = list(read_jsonl(run_dir / "events" / "worker1.jsonl"))
+    trained = any(e["event"] == "step_committed" for e in steps)
+    return pids if len(pids) == 2 and trained else {}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent has not reaped it yet).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_worker_fails_the_job_with_a_clear_report(tmp_path, token_cache):
+    launcher = start_launcher(tmp_path / "run", token_cache)
+    try:
+        pids = wait_for(lambda: training_workers(tmp_path / "run"), timeout_s=120, what="training to start")
+        os.kill(pids["worker1"], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 3, output
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "failed"
+    assert "worker1" in summary["message"] and "SIGKILL" in summary["message"]
+    assert "FAILED" in output
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=15, what="workers to stop")
+
+
+def test_workers_never_outlive_a_killed_launcher(tmp_path, token_cache):
+    launcher = start_launcher(tmp_path / "run", token_cache)
+    try:
+        pids = wait_for(lambda: training_workers(tmp_path / "run"), timeout_s=120, what="training to start")
+        launcher.kill()
+        launcher.wait(timeout=30)
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=30, what="orphaned workers to die")
+    finally:
+        launcher.kill()
+
+
+def test_ctrl_c_stops_the_job_and_its_workers(tmp_path, token_cache):
+    launcher = start_launcher(tmp_path / "run", token_cache)
+    try:
+        pids = wait_for(lambda: training_workers(tmp_path / "run"), timeout_s=120, what="training to start")
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, output
+    assert read_summary(tmp_path / "run")["status"] == "failed"
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=15, what="workers to stop")
