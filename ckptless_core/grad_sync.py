@@ -22,7 +22,8 @@ class FlatGradients:
     def __init__(self, parameters, *, num_scalars: int = 1) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
         dtypes = {p.dtype for p in self.parameters}
-        assert len(dtypes) == 1, f"one flat buffer needs one parameter dtype, got {dtypes}"
+        if len(dtypes) != 1:
+            raise ValueError(f"FlatGradients needs trainable parameters of one dtype, got {sorted(map(str, dtypes))}")
         device = self.parameters[0].device
         numel = sum(p.numel() for p in self.parameters)
         self.buffer = torch.zeros(numel + num_scalars, dtype=dtypes.pop(), device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,13 +89,15 @@ def _activation_bytes(job: JobConfig, config) -> int:
     return layers + logits
 
 
-def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "<store port>") -> list[str]:
-    """What each worker runs: the supervisor forks these from a pre-imported parent, the same entry and env."""
+def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "$MASTER_PORT") -> list[str]:
+    """What each worker runs, as shell commands: the supervisor forks the same entry with the same environment
+    from a pre-imported parent. The store port is chosen at start; by hand, export MASTER_PORT first."""
     n = job.cluster.nproc
+    quoted_dir = shlex.quote(str(run_dir))
+    config = shlex.quote(str(run_dir / "config.yaml"))
     return [
         f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
-        f"CKPTLESS_RUN_DIR={run_dir} OMP_NUM_THREADS={threads_per_worker(job)} "
-        f"python -m recipes.pretrain {run_dir / 'config.yaml'}"
+        f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.pretrain {config}"
         for r in range(n)
     ]
 

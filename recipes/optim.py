@@ -10,11 +10,12 @@ from recipes.schema import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW where weight decay applies to matrices (embeddings, projections, experts), not to norms or biases."""
+    """AdamW where weight decay applies to matrices (embeddings, projections, experts), not to norms or biases
+    (MoE expert biases are 2-D, so biases are recognised by name as well)."""
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            (decay if param.dim() >= 2 and not name.endswith("bias") else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

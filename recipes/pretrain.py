@@ -7,11 +7,11 @@ Started by the launcher's supervisor (forked, environment set), or by hand / by 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from ckptless_core.events import EventLog
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.state_hash import param_sha256
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
+from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model
 from recipes.optim import build_lr_schedule, build_optimizer
 from recipes.schema import JobConfig, load_config
@@ -65,63 +66,79 @@ def micro_batches(job: JobConfig, env: WorkerEnv) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
-def train(job: JobConfig, env: WorkerEnv, *, run_dir: Path, events: EventLog) -> dict:
-    device = torch.device(f"cuda:{env.local_rank}" if resolve_backend(job.cluster.backend) == "nccl" else "cpu")
-    timeout_s = job.cluster.collective_timeout_s
+@dataclass
+class TrainState:
+    """Everything a worker trains and would hand to a replacement: model, optimizer, schedule, step."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    grads: FlatGradients
+    step: int = 0
+    """Optimizer steps committed so far."""
+
+
+def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
     torch.manual_seed(job.seed)
     model = build_model(job.model, device=device)
     model.train()
     optimizer = build_optimizer(model, job.optim)
     schedule = build_lr_schedule(optimizer, job.optim, max_steps=job.trainer.max_steps)
-    grads = FlatGradients(model.parameters(), num_scalars=1)
+    return TrainState(model=model, optimizer=optimizer, schedule=schedule, grads=FlatGradients(model.parameters()))
+
+
+def train_step(state: TrainState, batches: list[torch.Tensor], *, job: JobConfig) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; gradients and the loss are averaged over all ranks."""
+    global_tokens = job.trainer.global_batch_size * job.data.seq_len
+    state.grads.zero()
+    for batch in batches:
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
+            logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        (loss_sum / global_tokens).backward()
+        state.grads.scalars[0] += loss_sum.detach() / global_tokens
+    state.grads.all_reduce(timeout_s=job.cluster.collective_timeout_s)
+    grad_norm = _clip(state.model, job.trainer.grad_clip_norm)
+    lr = state.schedule.get_last_lr()[0]
+    state.optimizer.step()
+    state.schedule.step()
+    state.step += 1
+    return {"loss": state.grads.scalars[0].item(), "lr": lr, "grad_norm": grad_norm}
+
+
+def train(job: JobConfig, env: WorkerEnv, *, run_dir: Path, events: EventLog) -> None:
+    device = torch.device(f"cuda:{env.local_rank}" if resolve_backend(job.cluster.backend) == "nccl" else "cpu")
+    state = build_train_state(job, device=device)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     my_batches = micro_batches(job, env)
-    global_tokens = job.trainer.global_batch_size * job.data.seq_len
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16")
-    metrics = open(run_dir / "metrics.jsonl", "a") if env.rank == 0 else None
-    events.emit("train_start", step=0, world_size=env.world_size)
+    tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
+    metrics = MetricsLog(
+        run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps, enabled=env.rank == 0
+    )
+    events.emit("train_start", step=state.step, world_size=env.world_size)
     start = time.perf_counter()
-    loss = float("nan")
-    for step in range(job.trainer.max_steps):
+    result = {"loss": float("nan")}
+    while state.step < job.trainer.max_steps:
         step_start = time.perf_counter()
-        grads.zero()
-        for indices in my_batches:
-            batch = sampler.batch(step, indices).to(device)
-            with autocast:
-                logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-            (loss_sum / global_tokens).backward()
-            grads.scalars[0] += loss_sum.detach() / global_tokens
-        grads.all_reduce(timeout_s=timeout_s)
-        grad_norm = _clip(model, job.trainer.grad_clip_norm)
-        lr = schedule.get_last_lr()[0]
-        optimizer.step()
-        schedule.step()
-        loss = grads.scalars[0].item()
+        batches = [sampler.batch(state.step, indices).to(device) for indices in my_batches]
+        result = train_step(state, batches, job=job)
         step_s = time.perf_counter() - step_start
-        events.emit("step_committed", step=step + 1, loss=loss, step_s=step_s)
-        if metrics is not None and ((step + 1) % job.trainer.log_every == 0 or step + 1 == job.trainer.max_steps):
-            record = {
-                "step": step + 1,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": global_tokens / step_s,
-                "step_s": step_s,
-                "elapsed_s": time.perf_counter() - start,
-            }
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-    if metrics is not None:
-        metrics.close()
-    state = model.state_dict()
-    digest = param_sha256(state)
+        events.emit("step_committed", step=state.step, loss=result["loss"], step_s=step_s)
+        metrics.log(
+            state.step,
+            **result,
+            tokens_per_s=tokens_per_step / step_s,
+            step_s=step_s,
+            elapsed_s=time.perf_counter() - start,
+        )
+    metrics.close()
+    weights = state.model.state_dict()
+    digest = param_sha256(weights)
     if env.rank == 0:
-        _save_weights(state, run_dir / "model.safetensors")
-    events.emit("train_end", step=job.trainer.max_steps, final_loss=loss, param_sha256=digest)
-    del optimizer, grads
-    shutdown_process_group(timeout_s=timeout_s)
-    return {"param_sha256": digest, "final_loss": loss}
+        _save_weights(weights, run_dir / "model.safetensors")
+    events.emit("train_end", step=state.step, final_loss=result["loss"], param_sha256=digest)
+    del state
+    shutdown_process_group(timeout_s=job.cluster.collective_timeout_s)
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:

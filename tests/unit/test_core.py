@@ -1,0 +1,321 @@
+"""ckptless_core: the parameter fingerprint, the event log, flat-buffer gradient averaging, and its import layering."""
+
+import hashlib
+import json
+import multiprocessing
+import os
+import struct
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ckptless_core.dist import WorkerEnv, resolve_backend
+from ckptless_core.events import EventLog, read_events, read_jsonl
+from ckptless_core.grad_sync import FlatGradients
+from ckptless_core.state_hash import param_sha256
+
+JOIN_TIMEOUT_S = 60
+
+
+def sample_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "layers.0.weight": torch.randn(4, 3, generator=generator),
+        "layers.0.bias": torch.randn(4, generator=generator),
+        "norm.weight": torch.randn(3, generator=generator).to(torch.bfloat16),
+        "step_scale": torch.tensor(0.25),
+        "counts": torch.arange(5, dtype=torch.int64),
+    }
+
+
+# --- param_sha256 ---------------------------------------------------------------------------------------------------
+
+
+def test_hash_is_independent_of_dict_insertion_order():
+    state = sample_state()
+    reversed_state = dict(reversed(list(state.items())))
+    assert list(reversed_state) != list(state)
+    assert param_sha256(reversed_state) == param_sha256(state)
+
+
+@pytest.mark.parametrize("key", ["layers.0.weight", "norm.weight", "step_scale"])
+def test_hash_changes_when_one_value_moves_by_one_ulp(key):
+    state = sample_state()
+    changed = dict(state)
+    tensor = state[key].clone()
+    flat = tensor.view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=tensor.dtype))
+    assert not torch.equal(tensor, state[key])
+    changed[key] = tensor
+
+    assert param_sha256(changed) != param_sha256(state)
+
+
+def test_hash_of_a_0d_tensor_is_its_key_then_its_raw_bytes():
+    expected = hashlib.sha256(b"scale" + struct.pack("<f", 2.5)).hexdigest()
+    assert param_sha256({"scale": torch.tensor(2.5)}) == expected
+
+
+def test_hash_of_bf16_is_its_raw_bytes_and_differs_from_fp32():
+    values = torch.tensor([1.0, -2.0, 0.5])
+    bf16 = values.to(torch.bfloat16)
+    raw = bf16.view(torch.int16).numpy().astype("<i2").tobytes()
+    assert param_sha256({"w": bf16}) == hashlib.sha256(b"w" + raw).hexdigest()
+    assert param_sha256({"w": bf16}) != param_sha256({"w": values})
+
+
+def test_hash_reads_values_not_layout_or_autograd_state():
+    matrix = torch.randn(3, 5)
+    transposed = matrix.t()  # non-contiguous
+    assert not transposed.is_contiguous()
+    assert param_sha256({"m": transposed}) == param_sha256({"m": transposed.contiguous()})
+    parameter = torch.nn.Parameter(matrix.clone())
+    assert param_sha256({"m": parameter}) == param_sha256({"m": matrix})
+
+
+def sha256_of_safetensors_file(path) -> str:
+    """param_sha256 recomputed from the file alone (no torch): key, then the tensor's bytes, keys sorted."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    body = data[8 + header_len :]
+    digest = hashlib.sha256()
+    for key in sorted(header):
+        begin, end = header[key]["data_offsets"]
+        digest.update(key.encode())
+        digest.update(body[begin:end])
+    return digest.hexdigest()
+
+
+def test_hash_survives_a_safetensors_round_trip_and_is_recomputable_from_the_file(tmp_path):
+    state = sample_state()
+    path = tmp_path / "model.safetensors"
+
+    save_file(state, str(path))
+    loaded = load_file(str(path))
+
+    assert param_sha256(loaded) == param_sha256(state)
+    assert sha256_of_safetensors_file(path) == param_sha256(state)
+
+
+# --- EventLog -------------------------------------------------------------------------------------------------------
+
+
+def test_event_log_writes_complete_lines_with_time_event_worker_rank(tmp_path):
+    path = tmp_path / "events" / "worker1.jsonl"  # the folder is created
+    log = EventLog(path, worker="worker1", rank=1)
+    log.emit("train_start", step=0, world_size=2)
+    log.emit("step_committed", step=1, loss=2.5)
+    log.close()
+
+    text = path.read_text()
+    assert text.endswith("\n")
+    records = [json.loads(line) for line in text.splitlines()]
+    assert [r["event"] for r in records] == ["train_start", "step_committed"]
+    assert all(r["worker"] == "worker1" and r["rank"] == 1 and isinstance(r["t"], float) for r in records)
+    assert records[0]["t"] <= records[1]["t"]
+    assert records[1]["loss"] == 2.5 and records[0]["world_size"] == 2
+
+
+def test_event_log_appends_across_reopens(tmp_path):
+    path = tmp_path / "supervisor.jsonl"
+    for event in ("start", "restart"):
+        log = EventLog(path, worker="supervisor")
+        log.emit(event)
+        log.close()
+    records = list(read_jsonl(path))
+    assert [r["event"] for r in records] == ["start", "restart"]
+    assert records[0]["rank"] is None
+
+
+def test_read_jsonl_skips_a_torn_last_line_and_non_objects(tmp_path):
+    path = tmp_path / "worker0.jsonl"
+    path.write_text('{"t": 1.0, "event": "a"}\n7\n{"t": 2.0, "event": "b"}\n{"t": 3.0, "ev')
+    assert [r["event"] for r in read_jsonl(path)] == ["a", "b"]
+
+
+def test_read_jsonl_of_a_missing_file_is_empty(tmp_path):
+    assert list(read_jsonl(tmp_path / "absent.jsonl")) == []
+
+
+def test_read_events_merges_workers_in_time_order(tmp_path):
+    # File order (a before b) differs from time order; a torn line ends one file.
+    (tmp_path / "a.jsonl").write_text(
+        '{"t": 2.0, "event": "a2", "worker": "a"}\n{"t": 4.0, "event": "a4", "worker": "a"}\n{"t": 5.'
+    )
+    (tmp_path / "b.jsonl").write_text(
+        '{"t": 1.0, "event": "b1", "worker": "b"}\n{"t": 3.0, "event": "b3", "worker": "b"}\n'
+    )
+    (tmp_path / "notes.txt").write_text('{"t": 0.0, "event": "not an event file"}\n')
+
+    assert [r["event"] for r in read_events(tmp_path)] == ["b1", "a2", "b3", "a4"]
+
+
+def test_read_events_of_real_logs(tmp_path):
+    logs = [EventLog(tmp_path / f"worker{rank}.jsonl", worker=f"worker{rank}", rank=rank) for rank in (1, 0)]
+    for log in logs:
+        log.emit("joined")
+    for log in logs:
+        log.close()
+    events = read_events(tmp_path)
+    assert sorted(e["rank"] for e in events) == [0, 1]
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+
+
+# --- FlatGradients --------------------------------------------------------------------------------------------------
+
+
+def build_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def batch_for(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(6, 5, generator=generator), torch.randn(6, 3, generator=generator)
+
+
+def local_loss(model: torch.nn.Module, rank: int) -> torch.Tensor:
+    inputs, targets = batch_for(rank)
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def reference_grads(rank: int, *, scale: float = 1.0) -> torch.Tensor:
+    """Plain autograd (no flat buffer): the gradient a rank would compute, flattened in parameter order."""
+    model = build_net()
+    (local_loss(model, rank) * scale).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_grads_after_backward_are_views_into_the_buffer():
+    model = build_net()
+    grads = FlatGradients(model.parameters(), num_scalars=2)
+    numel = sum(p.numel() for p in model.parameters())
+    assert grads.buffer.numel() == numel + 2
+
+    local_loss(model, rank=0).backward()
+
+    buffer_storage = grads.buffer.untyped_storage().data_ptr()
+    for param in model.parameters():
+        assert param.grad.untyped_storage().data_ptr() == buffer_storage
+        assert param.grad.shape == param.shape
+    torch.testing.assert_close(grads.buffer[:numel], reference_grads(0))
+    assert torch.equal(grads.scalars, torch.zeros(2))  # gradients never spill into the scalar slots
+
+
+def test_zero_clears_the_grads_and_backward_refills_the_same_buffer():
+    model = build_net()
+    grads = FlatGradients(model.parameters())
+    local_loss(model, rank=0).backward()
+    grads.scalars[0] = 3.0
+
+    grads.zero()
+
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    assert grads.scalars[0].item() == 0.0
+    local_loss(model, rank=0).backward()
+    numel = sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(grads.buffer[:numel], reference_grads(0))  # not doubled
+
+
+def test_all_reduce_without_a_process_group_leaves_the_buffer_alone():
+    model = build_net()
+    grads = FlatGradients(model.parameters())
+    local_loss(model, rank=0).backward()
+    before = grads.buffer.clone()
+    grads.all_reduce(timeout_s=5)
+    assert torch.equal(grads.buffer, before)
+
+
+def test_flat_gradients_refuse_mixed_parameter_dtypes():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        FlatGradients(model.parameters())
+
+
+def _all_reduce_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        model = build_net()
+        grads = FlatGradients(model.parameters(), num_scalars=1)
+        loss = local_loss(model, rank)
+        # Pre-scale by 1/world as the training loop does, so the summed buffer is the mean.
+        (loss / world_size).backward()
+        grads.scalars[0] += loss.detach() / world_size
+        grads.all_reduce(timeout_s=30)
+        torch.save(
+            {"buffer": grads.buffer.clone(), "grads": [p.grad.clone() for p in model.parameters()]},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_end_with_identical_mean_gradients(tmp_path):
+    world_size = 2
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(
+            target=_all_reduce_worker, args=(rank, world_size, str(tmp_path / "store"), str(tmp_path)), daemon=True
+        )
+        for rank in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=JOIN_TIMEOUT_S)
+    hung = [rank for rank, worker in enumerate(workers) if worker.is_alive()]
+    for rank in hung:
+        workers[rank].kill()
+        workers[rank].join(timeout=10)
+    assert not hung, f"ranks {hung} did not finish within {JOIN_TIMEOUT_S}s"
+    assert [worker.exitcode for worker in workers] == [0, 0]
+
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
+    assert torch.equal(results[0]["buffer"], results[1]["buffer"])
+
+    local = [reference_grads(rank) for rank in range(world_size)]
+    assert not torch.allclose(local[0], local[1])  # the ranks really saw different data
+    numel = local[0].numel()
+    torch.testing.assert_close(results[0]["buffer"][:numel], (local[0] + local[1]) / 2)
+    losses = [local_loss(build_net(), rank).item() for rank in range(world_size)]
+    assert results[0]["buffer"][numel].item() == pytest.approx(sum(losses) / 2)
+    # The parameters' .grad (what the optimizer reads) hold the reduced values too.
+    torch.testing.assert_close(torch.cat([g.reshape(-1) for g in results[1]["grads"]]), (local[0] + local[1]) / 2)
+
+
+# --- dist and layering ----------------------------------------------------------------------------------------------
+
+
+def test_worker_env_names_the_missing_variables(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE"):
+        WorkerEnv.from_environ()
+
+
+def test_auto_backend_is_gloo_without_cuda():
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert resolve_backend("gloo") == "gloo"
+
+
+def test_core_imports_neither_hydra_omegaconf_transformers_nor_upper_layers():
+    code = (
+        "import sys, json\n"
+        "import ckptless_core.supervisor, ckptless_core.dist, ckptless_core.grad_sync\n"
+        "import ckptless_core.events, ckptless_core.state_hash\n"
+        "top = {name.split('.')[0] for name in sys.modules}\n"
+        "print(json.dumps(sorted(top & {'hydra', 'omegaconf', 'transformers', 'launcher', 'recipes'})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
