@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
-import time
 
+from launcher import PROCESS_STARTED_AT
 from launcher.compose import available_options, compose_job, recipe_launch_line
-from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, ConfigError
+from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 from launcher.local import run_local, warm_up_workers
 from launcher.plan import build_plan, check_fits, format_plan
 from launcher.rundir import check_run_dir, create_run_dir, resolve_run_dir
@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return EXIT_OK
     print_cfg = _pop_cfg_flag(args)
-    started_at = time.time()
     try:
         composed = compose_job(args)
         if print_cfg:
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     create_run_dir(run_dir)
     save_config(job, run_dir / "config.yaml")
     print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir), flush=True)
-    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=started_at)
+    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=PROCESS_STARTED_AT)
 
 
 def help_text() -> str:
@@ -84,6 +83,3 @@ def _pop_cfg_flag(args: list[str]) -> bool:
 def _bad_input(error: Exception) -> int:
     print(f"error: {error}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-__all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_JOB_FAILED", "EXIT_INTERRUPTED"]

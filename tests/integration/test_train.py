@@ -78,3 +78,12 @@ def test_tiny_gpt_oss_trains(launch, tmp_path):
     metrics = read_metrics(tmp_path)
     assert read_summary(tmp_path)["status"] == "completed"
     assert metrics[-1]["loss"] < metrics[0]["loss"] / 2
+
+
+def test_bf16_autocast_trains(launch, tmp_path):
+    proc = launch(
+        "recipe=tiny_llama", "trainer.precision=bf16", "trainer.max_steps=5", "cluster.nproc=1", f"run.dir={tmp_path}"
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 5 and metrics[-1]["loss"] < metrics[0]["loss"]
