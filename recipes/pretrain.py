@@ -7,6 +7,7 @@ Started by the launcher's supervisor (forked, environment set), or by hand / by 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -45,16 +46,20 @@ def prepare(job: JobConfig) -> Path:
 
 def worker_preload(job: JobConfig) -> tuple[str, ...]:
     """Modules a fork server should import before forking workers: this entry point and the model's code
-    (transformers imports model classes lazily, which costs seconds in every new process otherwise)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    (transformers imports model classes lazily, which costs seconds in every new process otherwise).
 
-    model_type = build_hf_config(job.model).model_type
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    modules = ("recipes.pretrain",)
-    if class_name is not None:
-        package = model_type.replace("-", "_")
-        modules += (f"transformers.models.{package}.modeling_{package}",)
-    return modules
+    Derived from the model type alone, without importing transformers here; a module that does not exist is
+    skipped by the fork server.
+    """
+    if job.model.pretrained is not None:
+        config_file = Path(job.model.pretrained) / "config.json"
+        model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    else:
+        model_type = job.model.hf_config.get("model_type")
+    if not model_type:
+        return ("recipes.pretrain",)
+    package = str(model_type).replace("-", "_")
+    return ("recipes.pretrain", f"transformers.models.{package}.modeling_{package}")
 
 
 def micro_batches(job: JobConfig, env: WorkerEnv) -> list[list[int]]:
