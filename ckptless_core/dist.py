@@ -1,13 +1,11 @@
-"""Joining the job's process group from the environment a supervisor (or torchrun) sets, with bounded waits."""
+"""Who a worker is, from the environment a supervisor (or torchrun) sets, and which collective backend it uses."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -50,34 +48,3 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
-
-
-def init_process_group(env: WorkerEnv, *, backend: str, timeout_s: float, generation: int = 0) -> None:
-    """Join generation `generation`'s process group through the coordination store (a client of it).
-
-    Each generation uses a store namespace of its own, so a later rebuild never reads an older one's keys.
-    """
-    store = dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    dist.init_process_group(
-        backend=resolve_backend(backend),
-        store=dist.PrefixStore(f"gen{generation}/", store),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-
-
-def shutdown_process_group(*, timeout_s: float) -> None:
-    """Leave the process group cleanly: a bounded barrier first, so no peer is left inside a collective."""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    finally:
-        dist.destroy_process_group()

@@ -6,17 +6,14 @@ function of the module's parameter order, so the summation order stays the same 
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 
 class FlatGradients:
     """Makes every parameter's `.grad` a view into one contiguous buffer, with extra slots for scalars to reduce.
 
-    Backward accumulates straight into the buffer, so one all-reduce synchronises all gradients (and the
-    scalars, such as the loss sum) without copies.
+    Backward accumulates straight into the buffer, so one all-reduce of `buffer` synchronises all gradients (and
+    the scalars, such as the loss sum) without copies.
     """
 
     def __init__(self, parameters, *, num_scalars: int = 1) -> None:
@@ -35,13 +32,3 @@ class FlatGradients:
 
     def zero(self) -> None:
         self.buffer.zero_()
-
-    def all_reduce(self, *, group=None, timeout_s: float | None = None) -> None:
-        """Sum the buffer over the group (the caller pre-scales so the sum is the global mean); bounded wait."""
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return
-        work = dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(timeout=timedelta(seconds=timeout_s))

@@ -1,7 +1,8 @@
-"""The supervisor: hosts the coordination store, starts worker processes, watches them, collects exit codes.
+"""The supervisor: hosts the coordination store, starts workers and hot spares, watches them, and on a failure
+fences the culprit, promotes a spare (or shrinks the job) and starts the next generation.
 
 Workers are forked from a fork server that imported the heavy modules (torch, transformers, the entry point)
-once, so each worker starts in a fraction of a second instead of paying the imports again.
+once, so a worker or a spare starts in a fraction of a second instead of paying the imports again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,27 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ckptless_core.events import EventLog
+from ckptless_core.faults import FaultEvent, FaultInjector
+from ckptless_core.membership import Generation, publish_generation, read_reports
 from ckptless_core.worker_process import run_worker
+
+
+@dataclass
+class FaultToleranceSpec:
+    enabled: bool = False
+    """Recover from failures; when False any failure ends the job."""
+    spares: int = 0
+    """Hot spares kept ready beside the workers."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent this long is declared hung, fenced (SIGKILL) and replaced."""
+    on_no_spare: str = "shrink"
+    """Without a ready spare: `shrink` (continue with fewer ranks), `wait` (for a new spare), `fail`."""
+    max_failures_without_progress: int = 3
+    """End the job when this many failures follow each other with no step committed in between."""
+    world_sizes: tuple[int, ...] = ()
+    """World sizes the job can run at (the global batch must divide); empty: any."""
+    settle_s: float = 0.3
+    """How long a reported collective error waits for a process failure that explains it."""
 
 
 @dataclass
@@ -38,16 +59,31 @@ class JobSpec:
     """torch intra-op threads in each worker."""
     store_timeout_s: float = 300.0
     """Timeout of the coordination store's waits."""
+    ft: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
+    """Fault tolerance: spares, detection, policies."""
+    faults: list[FaultEvent] = field(default_factory=list)
+    """Faults to inject (tests, demos, benchmarks)."""
 
 
 @dataclass
 class JobOutcome:
     ok: bool
-    """True when every worker exited with code 0."""
+    """True when every member exited with code 0."""
     exit_codes: dict[str, int]
     """Exit code per worker (negative: killed by that signal)."""
     message: str
     """What happened, for the console."""
+    reason: str = "completed"
+    """`completed`, `failed`, `no_progress` (repeated failures without a committed step), `interrupted`."""
+
+
+@dataclass
+class _Worker:
+    name: str
+    process: multiprocessing.process.BaseProcess
+    started_at: float
+    retired: bool = False
+    """No longer part of the job: a lost member, a lost spare, or a fenced worker."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -59,20 +95,34 @@ def describe_exit(code: int | None) -> str:
 
 
 class Supervisor:
-    """Runs one job of `spec.nproc` workers on this machine; `poll()` until it returns an outcome."""
+    """Runs one job on this machine; call `poll()` until it returns an outcome."""
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
+        self.ft = spec.ft
         self.events = EventLog(spec.run_dir / "events" / "supervisor.jsonl", worker="supervisor")
         self.store: dist.TCPStore | None = None
-        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.workers: dict[str, _Worker] = {}
+        self.generation = Generation(number=0)
+        self.next_worker_id = 0
+        self.spares_owed = 0
+        self.failures_without_progress = 0
+        self.progress_at_last_failure = -1
+        self.injector = FaultInjector(spec.faults, start_time=time.time())
+        self.context = None
+
+    @property
+    def processes(self) -> dict[str, multiprocessing.process.BaseProcess]:
+        return {name: w.process for name, w in self.workers.items()}
 
     @property
     def master_addr(self) -> str:
         return "127.0.0.1"
 
+    # --- start ------------------------------------------------------------------------------------------------
+
     def start(self) -> None:
-        # The store lives as long as the supervisor, so workers (and later, replacements) can always reach it.
+        # The store lives as long as the supervisor, so workers and replacements can always reach it.
         self.store = dist.TCPStore(
             self.master_addr,
             0,
@@ -80,70 +130,309 @@ class Supervisor:
             wait_for_workers=False,
             timeout=timedelta(seconds=self.spec.store_timeout_s),
         )
-        context = start_fork_server(self.spec.preload)
-        for rank in range(self.spec.nproc):
-            self._start_worker(context, rank=rank)
+        self.context = start_fork_server(self.spec.preload)
+        members = {self._start_worker(spare=False): rank for rank in range(self.spec.nproc)}
+        self._publish(Generation(number=1, members=members, reason="start"))
+        for _ in range(self.ft.spares if self.ft.enabled else 0):
+            self._start_worker(spare=True)
 
-    def worker_env(self, rank: int) -> dict[str, str]:
-        """The environment of worker `rank`: torchrun-compatible names plus the run directory."""
-        assert self.store is not None
-        return {
-            **self.spec.env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(self.spec.nproc),
-            "LOCAL_WORLD_SIZE": str(self.spec.nproc),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.store.port),
-            "CKPTLESS_WORKER": f"worker{rank}",
-            "CKPTLESS_RUN_DIR": str(self.spec.run_dir),
-            "OMP_NUM_THREADS": str(self.spec.threads_per_worker),
-        }
-
-    def _start_worker(self, context, *, rank: int) -> None:
-        name = f"worker{rank}"
+    def _start_worker(self, *, spare: bool) -> str:
+        name = f"worker{self.next_worker_id}"
+        self.next_worker_id += 1
         log_path = self.spec.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        process = context.Process(
+        process = self.context.Process(
             target=run_worker,
             kwargs={
                 "entry": self.spec.entry,
-                "env": self.worker_env(rank),
+                "env": self._worker_env(name),
                 "log_path": str(log_path),
                 "threads": self.spec.threads_per_worker,
                 "supervisor_pid": os.getpid(),
+                "nice": 10 if spare and self.generation.number > 1 else 0,
             },
             name=name,
             daemon=False,
         )
         process.start()
-        self.processes[name] = process
-        self.events.emit("worker_started", worker_name=name, pid=process.pid, worker_rank=rank)
+        self.workers[name] = _Worker(name=name, process=process, started_at=time.time())
+        self.events.emit("worker_started", worker_name=name, pid=process.pid, spare=spare)
+        return name
+
+    def _worker_env(self, name: str) -> dict[str, str]:
+        """torchrun-compatible names (the rank a worker holds comes from the generation it joins) plus the run."""
+        assert self.store is not None
+        return {
+            **self.spec.env,
+            "RANK": "-1",
+            "WORLD_SIZE": str(self.spec.nproc),
+            "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.store.port),
+            "CKPTLESS_WORKER": name,
+            "CKPTLESS_RUN_DIR": str(self.spec.run_dir),
+            "OMP_NUM_THREADS": str(self.spec.threads_per_worker),
+        }
+
+    def _publish(self, generation: Generation) -> None:
+        self.generation = generation
+        publish_generation(self.store, generation)
+        self.events.emit(
+            "generation_started",
+            generation=generation.number,
+            members=generation.members,
+            world_size=generation.world_size,
+            reason=generation.reason,
+        )
+
+    # --- watch ------------------------------------------------------------------------------------------------
 
     def poll(self) -> JobOutcome | None:
-        """None while the job runs; the outcome once every worker exited or one failed (the rest are stopped)."""
-        codes = {name: p.exitcode for name, p in self.processes.items()}
-        failed = {name: code for name, code in codes.items() if code not in (None, 0)}
-        if failed:
-            name, code = next(iter(failed.items()))
-            self.events.emit("worker_failed", worker_name=name, exit_code=code, detected_by="process_exit")
-            self.stop()
-            codes = {n: p.exitcode for n, p in self.processes.items()}
-            return JobOutcome(ok=False, exit_codes=codes, message=f"{name} failed ({describe_exit(code)})")
-        if all(code == 0 for code in codes.values()):
-            self.events.emit("job_completed")
-            return JobOutcome(ok=True, exit_codes=codes, message="all workers completed")
+        """None while the job runs; the outcome once every member finished, or the job cannot go on."""
+        members = self.generation.members
+        codes = {name: self.workers[name].process.exitcode for name in members}
+        if codes and all(code == 0 for code in codes.values()):
+            self.events.emit("job_completed", generation=self.generation.number)
+            self._stop_spares()
+            return JobOutcome(ok=True, exit_codes=self._exit_codes(), message="all workers completed")
+        failures = self._detect_failures(codes)
+        if failures:
+            if not self.ft.enabled:
+                name, failure = next(iter(failures.items()))
+                self.stop()
+                return JobOutcome(
+                    ok=False,
+                    exit_codes=self._exit_codes(),
+                    message=f"{name} failed ({failure['detail']})",
+                    reason="failed",
+                )
+            outcome = self._recover_from(failures)
+            if outcome is not None:
+                return outcome
+        if self.ft.enabled:
+            self._replace_lost_spares()
+            self._maybe_grow()
+            self._start_owed_spares()
+            self._inject_faults()
         return None
 
-    def wait(self, *, poll_interval_s: float = 0.1) -> JobOutcome:
+    def _detect_failures(self, codes: dict[str, int | None]) -> dict[str, dict]:
+        """Members that died, went silent (fenced here), or reported an error, keyed by worker."""
+        now = time.time()
+        failures: dict[str, dict] = {}
+        for name, code in codes.items():
+            if code not in (None, 0):
+                failures[name] = {
+                    "kind": "exit",
+                    "detail": describe_exit(code),
+                    "detected_by": "process_exit",
+                    "lost": True,
+                }
+        if not self.ft.enabled:
+            return failures
+        alive = [n for n in self.generation.members if codes.get(n) is None and n not in failures]
+        heartbeats = read_reports(self.store, "heartbeat", alive)
+        for name in alive:
+            last = heartbeats.get(name, {}).get("t", self.workers[name].started_at)
+            if now - last > self.ft.heartbeat_timeout_s:
+                self._fence(name)
+                failures[name] = {
+                    "kind": "hang",
+                    "detail": f"no heartbeat for {now - last:.1f} s",
+                    "detected_by": "heartbeat",
+                    "lost": True,
+                }
+        if failures:
+            return failures
+        reports = read_reports(self.store, "failure", alive)
+        for name, record in reports.items():
+            if record.get("generation") == self.generation.number and now - record["t"] >= self.ft.settle_s:
+                failures[name] = {
+                    "kind": record.get("kind", "exception"),
+                    "detail": record.get("error", ""),
+                    "detected_by": "worker_report",
+                    "lost": False,
+                }
+        return failures
+
+    def _fence(self, name: str) -> None:
+        """Make sure a worker declared failed can never act again before anyone replaces it."""
+        worker = self.workers[name]
+        worker.retired = True
+        _signal(worker.process, signal.SIGKILL)
+        worker.process.join(timeout=5.0)
+        self.events.emit("worker_fenced", worker_name=name, exit_code=worker.process.exitcode)
+
+    def _recover_from(self, failures: dict[str, dict]) -> JobOutcome | None:
+        reached = max(self._progress().values(), default=0)
+        for name, failure in failures.items():
+            self.events.emit(
+                "failure_detected",
+                worker_name=name,
+                failed_rank=self.generation.members[name],
+                step=reached,
+                generation=self.generation.number,
+                **{k: v for k, v in failure.items() if k != "lost"},
+            )
+        if reached > self.progress_at_last_failure:
+            self.failures_without_progress = 0
+        self.failures_without_progress += 1
+        self.progress_at_last_failure = reached
+        if self.failures_without_progress > self.ft.max_failures_without_progress:
+            message = (
+                f"{self.failures_without_progress} failures in a row without a committed step "
+                f"(ft.max_failures_without_progress={self.ft.max_failures_without_progress}); giving up"
+            )
+            self.events.emit("job_abandoned", reason="no_progress", message=message)
+            self.stop()
+            return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="no_progress")
+        members = dict(self.generation.members)
+        vacant = sorted(members.pop(name) for name, f in failures.items() if f["lost"])
+        for name, failure in failures.items():
+            if failure["lost"]:
+                self.workers[name].retired = True
+        ready = self._ready_spares()
+        for rank in list(vacant):
+            if ready:
+                spare = ready.pop(0)
+                members[spare] = rank
+                vacant.remove(rank)
+                self.spares_owed += 1
+                self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
+        if vacant:
+            if self.ft.on_no_spare == "fail" or (
+                self.ft.on_no_spare == "shrink" and not self._can_run_at(len(members))
+            ):
+                message = f"no spare left to replace rank(s) {vacant} (ft.on_no_spare={self.ft.on_no_spare})"
+                self.events.emit("job_abandoned", reason="no_spare", message=message)
+                self.stop()
+                return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="failed")
+            if self.ft.on_no_spare == "wait":
+                return self._wait_for_spares(members, vacant)
+            members = {name: i for i, (name, _) in enumerate(sorted(members.items(), key=lambda kv: kv[1]))}
+            self.events.emit("job_shrunk", world_size=len(members), lost_ranks=vacant)
+        self._publish(Generation(number=self.generation.number + 1, members=members, reason="failure"))
+        return None
+
+    def _wait_for_spares(self, members: dict[str, int], vacant: list[int]) -> JobOutcome | None:
+        """ft.on_no_spare=wait: start replacements and hold the job until they are ready (bounded)."""
+        deadline = time.monotonic() + self.spec.store_timeout_s
+        for _ in vacant:
+            self._start_worker(spare=True)
+        while time.monotonic() < deadline:
+            ready = self._ready_spares()
+            if len(ready) >= len(vacant):
+                for rank, spare in zip(vacant, ready, strict=False):
+                    members[spare] = rank
+                    self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
+                self._publish(Generation(number=self.generation.number + 1, members=members, reason="failure"))
+                return None
+            time.sleep(0.1)
+        self.stop()
+        return JobOutcome(
+            ok=False,
+            exit_codes=self._exit_codes(),
+            reason="failed",
+            message=f"no replacement became ready within {self.spec.store_timeout_s:.0f} s",
+        )
+
+    def _maybe_grow(self) -> None:
+        """A shrunken job takes a ready spare back at the next step boundary (a planned generation change)."""
+        if self.generation.world_size >= self.spec.nproc or self._recovering():
+            return
+        ready = self._ready_spares()
+        grown = dict(self.generation.members)
+        while ready and len(grown) < self.spec.nproc:
+            grown[ready.pop(0)] = len(grown)
+        if len(grown) > self.generation.world_size and self._can_run_at(len(grown)):
+            self.spares_owed += len(grown) - self.generation.world_size
+            self._publish(Generation(number=self.generation.number + 1, members=grown, reason="grow"))
+
+    def _start_owed_spares(self) -> None:
+        """Replace promoted spares once the recovery is over, so the new spare does not slow it down."""
+        while self.spares_owed and not self._recovering():
+            self.spares_owed -= 1
+            self._start_worker(spare=True)
+
+    def _replace_lost_spares(self) -> None:
+        for name, worker in self.workers.items():
+            if name not in self.generation.members and not worker.retired and worker.process.exitcode is not None:
+                worker.retired = True
+                self.events.emit("spare_lost", worker_name=name, detail=describe_exit(worker.process.exitcode))
+                self.spares_owed += 1
+
+    def _inject_faults(self) -> None:
+        recovering = self._recovering()
+        sources = read_reports(self.store, "source", list(self.generation.members))
+        sender = next((n for n, r in sources.items() if r.get("generation") == self.generation.number), None)
+        strikes = self.injector.due(
+            now=time.time(),
+            members=self.generation.members,
+            progress=self._progress(),
+            spares=self._spares(),
+            recovering=recovering,
+            sender=sender,
+        )
+        for strike in strikes:
+            worker = self.workers[strike.worker]
+            _signal(worker.process, strike.signum)
+            self.events.emit(
+                "fault_injected",
+                kind=strike.event.kind,
+                worker_name=strike.worker,
+                target_rank=self.generation.members.get(strike.worker),
+                signal=signal.Signals(strike.signum).name,
+                step=self._progress().get(strike.worker, 0) + 1,
+                generation=self.generation.number,
+            )
+
+    # --- helpers ----------------------------------------------------------------------------------------------
+
+    def _progress(self) -> dict[str, int]:
+        """Committed steps per member of the current generation (reports from older generations count too)."""
+        reports = read_reports(self.store, "progress", list(self.generation.members))
+        return {name: int(r["step"]) for name, r in reports.items()}
+
+    def _recovering(self) -> bool:
+        """True until every member of the current generation has committed a step in it."""
+        reports = read_reports(self.store, "progress", list(self.generation.members))
+        return any(reports.get(n, {}).get("generation") != self.generation.number for n in self.generation.members)
+
+    def _spares(self) -> list[str]:
+        """Live workers that are not members of the current generation."""
+        return [
+            n
+            for n, w in self.workers.items()
+            if n not in self.generation.members and not w.retired and w.process.exitcode is None
+        ]
+
+    def _ready_spares(self) -> list[str]:
+        candidates = self._spares()
+        ready = read_reports(self.store, "ready", candidates)
+        return [n for n in candidates if n in ready]
+
+    def _can_run_at(self, world_size: int) -> bool:
+        return world_size >= 1 and (not self.ft.world_sizes or world_size in self.ft.world_sizes)
+
+    def _exit_codes(self) -> dict[str, int | None]:
+        return {name: w.process.exitcode for name, w in self.workers.items()}
+
+    def _stop_spares(self) -> None:
+        for name in self._spares():
+            _signal(self.workers[name].process, signal.SIGTERM)
+        for name in self._spares():
+            self.workers[name].process.join(timeout=5.0)
+
+    def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
         while (outcome := self.poll()) is None:
             time.sleep(poll_interval_s)
         return outcome
 
     def stop(self, *, grace_s: float = 5.0) -> None:
-        """Terminate every live worker: SIGTERM, then SIGKILL after `grace_s`. Bounded."""
-        live = [p for p in self.processes.values() if p.exitcode is None]
+        """Terminate every live worker and spare: SIGTERM, then SIGKILL after `grace_s`. Bounded."""
+        live = [w.process for w in self.workers.values() if w.process.exitcode is None]
         for process in live:
+            _signal(process, signal.SIGCONT)
             _signal(process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in live:

@@ -11,9 +11,13 @@ import threading
 import time
 
 
-def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, supervisor_pid: int) -> None:
+def run_worker(
+    *, entry: str, env: dict[str, str], log_path: str, threads: int, supervisor_pid: int, nice: int = 0
+) -> None:
     """Worker process body: never outlives the supervisor, logs to its own file, then runs `module:function`."""
     _exit_with_supervisor(supervisor_pid)
+    if nice:
+        os.nice(nice)  # a replacement spare builds at low priority, so it does not slow the job it will serve
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -84,6 +84,28 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.betas a list of two numbers")
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
+    validate_fault_tolerance(job)
+
+
+def validate_fault_tolerance(job: JobConfig) -> None:
+    ft = job.ft
+    if ft.mode not in ("ckptless", "none"):
+        raise ConfigError(f"ft.mode={ft.mode!r}: choose ft=ckptless or ft=none")
+    if ft.on_no_spare not in ("shrink", "wait", "fail"):
+        raise ConfigError(f"ft.on_no_spare={ft.on_no_spare!r}: choose shrink, wait or fail")
+    if ft.spares < 0 or ft.max_failures_without_progress < 0:
+        raise ConfigError("ft.spares and ft.max_failures_without_progress must be 0 or more")
+    if min(ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s) <= 0:
+        raise ConfigError("ft.heartbeat_interval_s, ft.heartbeat_timeout_s and ft.recovery_timeout_s must be positive")
+    if ft.heartbeat_timeout_s <= 2 * ft.heartbeat_interval_s:
+        raise ConfigError("ft.heartbeat_timeout_s must exceed two heartbeat intervals (ft.heartbeat_interval_s)")
+    for event in job.fault.events():
+        try:
+            event.check(max_steps=job.trainer.max_steps)
+        except ValueError as error:
+            raise ConfigError(f"fault: {error} (trainer.max_steps={job.trainer.max_steps})") from None
+        if event.kind not in ("chaos", "kill_sender", "kill_spare") and not 0 <= event.rank < job.cluster.nproc:
+            raise ConfigError(f"fault.rank={event.rank} is not a rank of this job (cluster.nproc={job.cluster.nproc})")
 
 
 def available_options() -> dict[str, list[str]]:

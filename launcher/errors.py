@@ -8,6 +8,8 @@ EXIT_BAD_INPUT = 2
 """Bad input: the config, its values, data paths, the run directory, or a model too large; nothing was started."""
 EXIT_JOB_FAILED = 3
 """The job started and failed while running (a worker died or raised); see summary.json and logs/."""
+EXIT_NO_PROGRESS = 4
+"""Repeated failures without a committed step in between (`ft.max_failures_without_progress`): the job gave up."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C or SIGTERM."""
 

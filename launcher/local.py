@@ -6,11 +6,11 @@ import signal
 import time
 from pathlib import Path
 
-from ckptless_core.supervisor import JobOutcome, JobSpec, Supervisor, start_fork_server
-from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from ckptless_core.supervisor import FaultToleranceSpec, JobOutcome, JobSpec, Supervisor, start_fork_server
+from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
-from launcher.summary import build_summary, write_summary
+from launcher.summary import build_summary, describe_recoveries, write_summary
 from recipes.pretrain import worker_preload
 from recipes.schema import JobConfig
 
@@ -32,6 +32,8 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
         preload=worker_preload(job),
         threads_per_worker=threads,
         store_timeout_s=job.cluster.start_timeout_s,
+        ft=fault_tolerance_spec(job),
+        faults=job.fault.events(),
     )
     supervisor = Supervisor(spec)
     progress = ConsoleProgress(
@@ -61,10 +63,29 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
         threads_per_worker=threads,
     )
     write_summary(run_dir, summary)
+    for line in describe_recoveries(summary):
+        print(line)
     print(_one_line(summary, run_dir), flush=True)
     if interrupted:
         return EXIT_INTERRUPTED
+    if outcome.reason == "no_progress":
+        return EXIT_NO_PROGRESS
     return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
+
+
+def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
+    """The supervisor's view of `ft.*`, plus the world sizes the global batch allows when shrinking."""
+    per_rank = job.trainer.micro_batch_size
+    return FaultToleranceSpec(
+        enabled=job.ft.mode == "ckptless",
+        spares=job.ft.spares if job.ft.mode == "ckptless" else 0,
+        heartbeat_timeout_s=job.ft.heartbeat_timeout_s,
+        on_no_spare=job.ft.on_no_spare,
+        max_failures_without_progress=job.ft.max_failures_without_progress,
+        world_sizes=tuple(
+            w for w in range(1, job.cluster.nproc + 1) if job.trainer.global_batch_size % (w * per_rank) == 0
+        ),
+    )
 
 
 def _one_line(summary: dict, run_dir: Path) -> str:

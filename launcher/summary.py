@@ -17,16 +17,16 @@ def build_summary(
     run_dir: Path, *, outcome: JobOutcome, recipe: str, wall_s: float, world_size: int, threads_per_worker: int
 ) -> dict:
     events = read_events(run_dir / "events")
-    ends = {e["rank"]: e for e in events if e["event"] == "train_end"}
+    ends = {e["worker"]: e for e in events if e["event"] == "train_end"}
     committed = [e for e in events if e["event"] == "step_committed"]
     hashes = {e["param_sha256"] for e in ends.values()}
     errors = [f"{e['worker']}: {e['error']}" for e in events if e["event"] == "worker_error"]
     status, message = "completed", outcome.message
     if not outcome.ok:
         status = "failed"
-    elif len(ends) != world_size or len(hashes) != 1:
+    elif len(hashes) != 1:
         status, message = "failed", f"replicas disagree on the final parameters: {sorted(hashes)}"
-    final = ends.get(0) or (committed[-1] if committed else {})
+    final = next(iter(ends.values()), None) or (committed[-1] if committed else {})
     return {
         "status": status,
         "message": message,
@@ -36,6 +36,9 @@ def build_summary(
         "param_sha256": hashes.pop() if len(hashes) == 1 else None,
         "wall_s": wall_s,
         "world_size": world_size,
+        "final_world_size": final.get("world_size", world_size),
+        "failures": failures(events),
+        "recoveries": recoveries(events),
         "exit_codes": outcome.exit_codes,
         "errors": errors,
         "provenance": {
@@ -46,6 +49,91 @@ def build_summary(
             "threads_per_worker": threads_per_worker,
         },
     }
+
+
+def failures(events: list[dict]) -> list[dict]:
+    """Each failure the supervisor detected: when, which worker and rank, what kind, how it was seen."""
+    return [
+        {
+            "t": e["t"],
+            "worker": e["worker_name"],
+            "rank": e["failed_rank"],
+            "kind": e["kind"],
+            "detail": e.get("detail", ""),
+            "detected_by": e["detected_by"],
+            "step": e["step"] + 1,
+            "generation": e["generation"],
+        }
+        for e in events
+        if e["event"] == "failure_detected"
+    ]
+
+
+def recoveries(events: list[dict]) -> list[dict]:
+    """One entry per generation started by a failure, with the protocol's phases:
+    detect (failure -> detected), rebuild (process group of the new generation), transfer (agree + state moved),
+    replay (until the interrupted step is committed again); `time_to_recover_s` spans them all."""
+    result = []
+    for start in (e for e in events if e["event"] == "generation_started" and e["reason"] == "failure"):
+        number = start["generation"]
+        causes = [e for e in events if e["event"] == "failure_detected" and e["generation"] == number - 1]
+        if not causes:
+            continue
+        detected_at = min(e["t"] for e in causes)
+        injected = [
+            e["t"]
+            for e in events
+            if e["event"] == "fault_injected" and e["generation"] == number - 1 and e["t"] <= detected_at
+        ]
+        failed_at = min(injected, default=detected_at)
+        interrupted_step = max(e["step"] for e in causes) + 1
+        joined = [e for e in events if e["event"] == "recovered" and e["generation"] == number]
+        entry = {
+            "generation": number,
+            "world_size": start["world_size"],
+            "interrupted_step": interrupted_step,
+            "detect_s": detected_at - failed_at,
+            "completed": bool(joined),
+        }
+        if joined:
+            synced_at = max(e["t"] for e in joined)
+            back = [
+                e["t"]
+                for e in events
+                if e["event"] == "step_committed" and e["step"] >= interrupted_step and e["t"] >= synced_at
+            ]
+            back_at = min(back, default=synced_at)
+            entry |= {
+                "rebuild_s": max(e["rebuild_s"] for e in joined),
+                "transfer_s": max(e["transfer_s"] for e in joined),
+                "replay_s": back_at - synced_at,
+                "bytes_moved": sum(e["bytes_moved"] for e in joined),
+                "source_rank": joined[0]["source"],
+                "time_to_recover_s": back_at - failed_at,
+            }
+        result.append(entry)
+    return result
+
+
+def describe_recoveries(summary: dict) -> list[str]:
+    """A line or two per failure, for the console."""
+    lines = []
+    for failure in summary["failures"]:
+        lines.append(
+            f"failure: {failure['worker']} (rank {failure['rank']}) during step {failure['step']}: {failure['kind']}"
+            f" ({failure['detail']}), detected by {failure['detected_by']}"
+        )
+    for r in summary["recoveries"]:
+        if r["completed"]:
+            lines.append(
+                f"recovered: generation {r['generation']} ({r['world_size']} ranks) back at step "
+                f"{r['interrupted_step']} in {r['time_to_recover_s']:.2f} s (detect {r['detect_s']:.2f}, rebuild "
+                f"{r['rebuild_s']:.2f}, transfer {r['transfer_s']:.2f}, replay {r['replay_s']:.2f} s; "
+                f"{r['bytes_moved'] / 1e6:.1f} MB moved from rank {r['source_rank']})"
+            )
+        else:
+            lines.append(f"recovery to generation {r['generation']} was superseded by another failure")
+    return lines
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -34,12 +34,12 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: flo
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_schedule(
-    optimizer: torch.optim.Optimizer, config: OptimConfig, *, max_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(
-            step, warmup_steps=config.warmup_steps, max_steps=max_steps, min_lr_ratio=config.min_lr_ratio
-        ),
+def set_lr(optimizer: torch.optim.Optimizer, config: OptimConfig, *, step: int, max_steps: int) -> float:
+    """Set the learning rate of 0-based step `step`. A pure function of the step: the schedule's state is the
+    step counter, which moves with the training state, so a replacement continues the schedule exactly."""
+    lr = config.lr * lr_factor(
+        step, warmup_steps=config.warmup_steps, max_steps=max_steps, min_lr_ratio=config.min_lr_ratio
     )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr

@@ -1,7 +1,8 @@
-"""The pretraining entry point: one data-parallel worker of a causal-LM pretraining job.
+"""The pretraining entry point: one data-parallel worker (or hot spare) of a causal-LM pretraining job.
 
-Started by the launcher's supervisor (forked, environment set), or by hand / by torchrun:
-    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<store port> python -m recipes.pretrain <run_dir>/config.yaml
+Started by the launcher's supervisor (forked from a pre-imported parent, environment set); it reads
+`<run_dir>/config.yaml`, joins the supervisor's store and trains. Everything fault tolerance needs is behind the
+`Replica`: the loop below only runs steps through it.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ckptless_core.dist import WorkerEnv, init_process_group, resolve_backend, shutdown_process_group
+from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
+from ckptless_core.faults import install_exception_fault
 from ckptless_core.grad_sync import FlatGradients
+from ckptless_core.replica import Removed, Replica
 from ckptless_core.state_hash import param_sha256
+from ckptless_core.transfer import materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model
-from recipes.optim import build_lr_schedule, build_optimizer
+from recipes.optim import build_optimizer, set_lr
 from recipes.schema import JobConfig, load_config
 from recipes.tokenizer import build_tokenizer
 
@@ -62,88 +66,94 @@ def worker_preload(job: JobConfig) -> tuple[str, ...]:
     return ("recipes.pretrain", f"transformers.models.{package}.modeling_{package}")
 
 
-def micro_batches(job: JobConfig, env: WorkerEnv) -> list[list[int]]:
-    """This rank's global sample indices of every step, split into micro-batches (gradient accumulation)."""
-    indices = rank_sample_indices(
-        rank=env.rank, world_size=env.world_size, global_batch_size=job.trainer.global_batch_size
-    )
+def micro_batches(job: JobConfig, *, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's global sample indices of a step, split into micro-batches (gradient accumulation). With fewer
+    ranks each gets more micro-batches: the global batch, and the samples of every step, stay the same."""
+    indices = rank_sample_indices(rank=rank, world_size=world_size, global_batch_size=job.trainer.global_batch_size)
     size = job.trainer.micro_batch_size
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
 @dataclass
 class TrainState:
-    """Everything a worker trains and would hand to a replacement: model, optimizer, schedule, step."""
+    """What a worker trains: model, optimizer, and the flat gradient buffer. The step lives in the `Replica`."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    schedule: torch.optim.lr_scheduler.LRScheduler
     grads: FlatGradients
-    step: int = 0
-    """Optimizer steps committed so far."""
 
 
 def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
+    """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it."""
     torch.manual_seed(job.seed)
     model = build_model(job.model, device=device)
     model.train()
     optimizer = build_optimizer(model, job.optim)
-    schedule = build_lr_schedule(optimizer, job.optim, max_steps=job.trainer.max_steps)
-    return TrainState(model=model, optimizer=optimizer, schedule=schedule, grads=FlatGradients(model.parameters()))
+    materialize_optimizer_state(optimizer)
+    return TrainState(model=model, optimizer=optimizer, grads=FlatGradients(model.parameters()))
 
 
-def train_step(state: TrainState, batches: list[torch.Tensor], *, job: JobConfig) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches; gradients and the loss are averaged over all ranks."""
+def train_step(state: TrainState, step: int, *, replica: Replica, sampler: TokenSampler, job: JobConfig) -> dict:
+    """One optimizer step (0-based `step`) over this rank's micro-batches; a pure function of the state, the step
+    and the rank, so a replayed step is the same step."""
+    torch.manual_seed((job.seed * 1_000_003 + step) * 1_009 + replica.rank)
+    device = state.grads.buffer.device
     global_tokens = job.trainer.global_batch_size * job.data.seq_len
     state.grads.zero()
-    for batch in batches:
-        with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
+    for indices in micro_batches(job, rank=replica.rank, world_size=replica.world_size):
+        batch = sampler.batch(step, indices).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
             logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         (loss_sum / global_tokens).backward()
         state.grads.scalars[0] += loss_sum.detach() / global_tokens
-    state.grads.all_reduce(timeout_s=job.cluster.collective_timeout_s)
-    grad_norm = _clip(state.model, job.trainer.grad_clip_norm)
-    lr = state.schedule.get_last_lr()[0]
-    state.optimizer.step()
-    state.schedule.step()
-    state.step += 1
+    replica.all_reduce(state.grads.buffer)
+    with replica.critical_section():
+        grad_norm = _clip(state.model, job.trainer.grad_clip_norm)
+        lr = set_lr(state.optimizer, job.optim, step=step, max_steps=job.trainer.max_steps)
+        state.optimizer.step()
     return {"loss": state.grads.scalars[0].item(), "lr": lr, "grad_norm": grad_norm}
 
 
-def train(job: JobConfig, env: WorkerEnv, *, run_dir: Path, events: EventLog) -> None:
-    device = torch.device(f"cuda:{env.local_rank}" if resolve_backend(job.cluster.backend) == "nccl" else "cpu")
+def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
+    device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
+    install_exception_fault(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
-    my_batches = micro_batches(job, env)
+    replica.attach(state_tensors(state.model, state.optimizer))
+    replica.start()  # a hot spare waits here, model built, until it is promoted
+    metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
-    metrics = MetricsLog(
-        run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps, enabled=env.rank == 0
-    )
-    events.emit("train_start", step=state.step, world_size=env.world_size)
+    events.emit("train_start", step=replica.step, world_size=replica.world_size)
     start = time.perf_counter()
     result = {"loss": float("nan")}
-    while state.step < job.trainer.max_steps:
+    while replica.step < job.trainer.max_steps:
         step_start = time.perf_counter()
-        batches = [sampler.batch(state.step, indices).to(device) for indices in my_batches]
-        result = train_step(state, batches, job=job)
+        result = replica.run_step(lambda step: train_step(state, step, replica=replica, sampler=sampler, job=job))
         step_s = time.perf_counter() - step_start
-        events.emit("step_committed", step=state.step, loss=result["loss"], step_s=step_s)
-        metrics.log(
-            state.step,
-            **result,
-            tokens_per_s=tokens_per_step / step_s,
+        events.emit(
+            "step_committed",
+            step=replica.step,
+            loss=result["loss"],
             step_s=step_s,
-            elapsed_s=time.perf_counter() - start,
+            generation=replica.generation.number,
         )
+        if replica.rank == 0:
+            metrics.log(
+                replica.step,
+                **result,
+                tokens_per_s=tokens_per_step / step_s,
+                step_s=step_s,
+                elapsed_s=time.perf_counter() - start,
+            )
     metrics.close()
     weights = state.model.state_dict()
     digest = param_sha256(weights)
-    if env.rank == 0:
+    if replica.rank == 0:
         _save_weights(weights, run_dir / "model.safetensors")
-    events.emit("train_end", step=state.step, final_loss=result["loss"], param_sha256=digest)
-    del state
-    shutdown_process_group(timeout_s=job.cluster.collective_timeout_s)
+    events.emit(
+        "train_end", step=replica.step, final_loss=result["loss"], param_sha256=digest, world_size=replica.world_size
+    )
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:
@@ -164,16 +174,31 @@ def main(config_path: str | None = None) -> int:
     env = WorkerEnv.from_environ()
     run_dir = Path(os.environ.get("CKPTLESS_RUN_DIR") or Path(config_path).parent)
     job = load_config(config_path or run_dir / "config.yaml")
-    events = EventLog(run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=env.rank)
+    events = EventLog(run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=None)
     events.emit("worker_start", pid=os.getpid(), threads=torch.get_num_threads())
+    replica = None
     try:
-        init_process_group(env, backend=job.cluster.backend, timeout_s=job.cluster.collective_timeout_s)
-        train(job, env, run_dir=run_dir, events=events)
+        replica = Replica(
+            env,
+            backend=job.cluster.backend,
+            collective_timeout_s=job.cluster.collective_timeout_s,
+            recovery_timeout_s=job.ft.recovery_timeout_s,
+            heartbeat_interval_s=job.ft.heartbeat_interval_s,
+            events=events,
+            fault_tolerant=job.ft.mode == "ckptless",
+        )
+        train(job, replica, run_dir=run_dir, events=events)
+    except Removed as removed:
+        events.emit("worker_removed", reason=str(removed))
+        return 0
     except Exception as error:  # noqa: BLE001 - any failure is reported, then the supervisor decides
         traceback.print_exc()
         events.emit("worker_error", error=f"{type(error).__name__}: {error}")
         return 1
     finally:
+        if replica is not None:
+            with contextlib.suppress(Exception):
+                replica.close()
         with contextlib.suppress(Exception):
             events.close()
     print(f"{env.worker}: done", flush=True)

@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ckptless_core.faults import FaultEvent
+
 
 @dataclass
 class RunConfig:
@@ -110,6 +112,41 @@ class ClusterConfig:
 
 
 @dataclass
+class FtConfig:
+    mode: str = "ckptless"
+    """`ckptless` (recover in place from failures) or `none` (plain data parallelism: a failure ends the job)."""
+    spares: int = 1
+    """Hot spares kept ready (imported, model built) to replace a failed worker."""
+    heartbeat_interval_s: float = 0.5
+    """How often each worker reports that it is alive."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker silent this long is declared hung, fenced (SIGKILL) and replaced."""
+    on_no_spare: str = "shrink"
+    """Without a ready spare: `shrink` (fewer ranks, more accumulation, same global batch), `wait`, or `fail`."""
+    max_failures_without_progress: int = 3
+    """End the job (exit code 4) after this many failures in a row with no step committed in between."""
+    recovery_timeout_s: float = 60.0
+    """Longest wait for a new generation to form during recovery."""
+
+
+@dataclass
+class FaultConfig(FaultEvent):
+    kind: str = "none"
+    """`none`, or a fault kind injected during the run (see `configs/fault/`)."""
+    more: list[FaultEvent] = field(default_factory=list)
+    """Further fault events in the same run, e.g. `fault.more=[{kind:kill_worker,rank:2,step:40}]`."""
+
+    def events(self) -> list[FaultEvent]:
+        """All fault events of the run: the one in the flat fields (unless `none`), then `more`."""
+        first = (
+            []
+            if self.kind == "none"
+            else [FaultEvent(**{k: getattr(self, k) for k in FaultEvent.__dataclass_fields__})]
+        )
+        return first + list(self.more)
+
+
+@dataclass
 class JobConfig:
     seed: int = 0
     """Seeds model initialisation and the data order."""
@@ -122,6 +159,8 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 def load_config(path: str | Path) -> JobConfig:

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from launcher.compose import compose_job
 from recipes.model import build_model
-from recipes.optim import build_lr_schedule, build_optimizer, lr_factor
+from recipes.optim import build_optimizer, lr_factor, set_lr
 from recipes.schema import OptimConfig
 
 WARMUP, MAX_STEPS, MIN_LR_RATIO = 10, 100, 0.1
@@ -64,13 +64,12 @@ def test_optimizer_learning_rate_follows_the_schedule_step_by_step():
     model = tiny_llama()
     config = OptimConfig(lr=1e-2, warmup_steps=3, min_lr_ratio=0.2)
     optimizer = build_optimizer(model, config)
-    schedule = build_lr_schedule(optimizer, config, max_steps=8)
 
     for step in range(10):
         expected = config.lr * lr_factor(step, warmup_steps=3, max_steps=8, min_lr_ratio=0.2)
+        assert set_lr(optimizer, config, step=step, max_steps=8) == pytest.approx(expected)
         assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([expected] * 2)
         optimizer.step()
-        schedule.step()
 
 
 def test_matrices_are_decayed_and_norms_and_biases_are_not():

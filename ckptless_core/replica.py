@@ -1,0 +1,274 @@
+"""A worker's side of checkpointless recovery: membership, the step as a re-executable unit, and recovery.
+
+    replica = Replica(env, ...)                 # connects to the supervisor's store, starts heartbeating
+    replica.attach(state_tensors(model, opt))   # what moves to a newcomer
+    replica.start()                             # spares block here until promoted; then join + sync state
+    while replica.step < max_steps:
+        replica.run_step(train_step)            # train_step(step) uses replica.all_reduce and
+                                                # replica.critical_section() around the optimizer update
+Recovery phases, in the protocol's words: detect (a collective failed, a local error, or the generation moved on),
+rebuild (leave the old process group, join the next generation's), transfer (agree on the step; the most advanced
+valid state goes to ranks that lack it), replay (the interrupted step runs again with the same samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ckptless_core.dist import WorkerEnv, resolve_backend
+from ckptless_core.events import EventLog
+from ckptless_core.heartbeat import Heartbeat
+from ckptless_core.membership import (
+    Generation,
+    current_generation_number,
+    report,
+    wait_for_generation,
+)
+from ckptless_core.transfer import synchronize_state
+
+T = TypeVar("T")
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: some peer died, hung or left. Survivors recover; they never exit."""
+
+
+class GenerationChanged(RuntimeError):
+    """The supervisor started a new generation (a failure elsewhere, or a spare joining)."""
+
+
+class Removed(SystemExit):
+    """This worker is not a member of the new generation (it was fenced or replaced): it must stop."""
+
+
+class Replica:
+    def __init__(
+        self,
+        env: WorkerEnv,
+        *,
+        backend: str,
+        collective_timeout_s: float,
+        recovery_timeout_s: float,
+        heartbeat_interval_s: float,
+        events: EventLog,
+        fault_tolerant: bool = True,
+    ) -> None:
+        self.env = env
+        self.backend = resolve_backend(backend)
+        self.collective_timeout_s = collective_timeout_s
+        self.recovery_timeout_s = recovery_timeout_s
+        self.fault_tolerant = fault_tolerant
+        self.events = events
+        self.store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=max(collective_timeout_s, recovery_timeout_s)),
+            wait_for_workers=False,
+        )
+        self.heartbeat = Heartbeat(self.store, worker=env.worker, interval_s=heartbeat_interval_s).start()
+        self.generation = Generation(number=0)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.step = 0
+        """Optimizer steps committed; moves with the state."""
+        self.valid = True
+        """Whether this rank's state may be trusted as a source (False for a new spare or after a torn update)."""
+
+    @property
+    def rank(self) -> int:
+        return self.generation.members[self.env.worker]
+
+    @property
+    def world_size(self) -> int:
+        return self.generation.world_size
+
+    def attach(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The named tensors that define this worker's training state (see `transfer.state_tensors`)."""
+        self.tensors = tensors
+
+    def start(self) -> None:
+        """Announce readiness; spares wait here (heartbeating) until a generation names them; then join it."""
+        report(self.store, "ready", self.env.worker)
+        self.events.emit("worker_ready")
+        generation = self._wait_for_membership(newer_than=0, timeout_s=None)
+        # A worker that starts in a later generation is a promoted spare: it holds a skeleton, not the state.
+        self.valid = generation.reason == "start"
+        self._join_until_done(generation, detected_at=time.time())
+
+    def run_step(self, step_fn: Callable[[int], T]) -> T:
+        """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again."""
+        while True:
+            try:
+                if self.fault_tolerant and current_generation_number(self.store) != self.generation.number:
+                    raise GenerationChanged(f"generation {self.generation.number} ended")
+                result = step_fn(self.step)
+            except Exception as error:
+                if not self.fault_tolerant:
+                    raise
+                self._recover(error)
+                continue
+            self.step += 1
+            if self.fault_tolerant:
+                report(self.store, "progress", self.env.worker, generation=self.generation.number, step=self.step)
+            return result
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the generation's ranks, bounded by the collective timeout; a failure is a PeerFailure."""
+        if self.world_size == 1:
+            return
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
+        except RuntimeError as error:
+            raise PeerFailure(f"all-reduce failed in generation {self.generation.number}: {error}") from error
+
+    @contextlib.contextmanager
+    def critical_section(self):
+        """Around the optimizer update: if it is interrupted by an error, this rank's state is no longer trusted
+        and it receives a peer's copy in recovery (no half-applied step survives)."""
+        try:
+            yield
+        except BaseException:
+            self.valid = False
+            raise
+
+    def close(self) -> None:
+        """Leave cleanly once training is done: a bounded barrier, then the process group and the heartbeat."""
+        if dist.is_initialized():
+            with contextlib.suppress(RuntimeError):
+                dist.barrier(async_op=True).wait(timeout=timedelta(seconds=self.collective_timeout_s))
+            dist.destroy_process_group()
+        self.heartbeat.stop()
+
+    # --- recovery -------------------------------------------------------------------------------------------
+
+    def _recover(self, error: Exception) -> None:
+        detected_at = time.time()
+        cause = (
+            "generation_changed"
+            if isinstance(error, GenerationChanged)
+            else ("peer_failure" if isinstance(error, PeerFailure) else "local_error")
+        )
+        self.events.emit(
+            "failure_noticed", generation=self.generation.number, step=self.step, cause=cause, error=str(error)[:500]
+        )
+        if cause != "generation_changed":
+            report(
+                self.store,
+                "failure",
+                self.env.worker,
+                generation=self.generation.number,
+                step=self.step,
+                kind="exception" if cause == "local_error" else "collective",
+                error=str(error)[:500],
+            )
+        # Leaving the old group at once releases peers still blocked in a collective with this rank.
+        self._leave_process_group()
+        generation = self._wait_for_membership(newer_than=self.generation.number, timeout_s=self.recovery_timeout_s)
+        self._join_until_done(generation, detected_at=detected_at)
+
+    def _join_until_done(self, generation: Generation, *, detected_at: float) -> None:
+        """Join `generation`; if a peer fails while joining or transferring, move on to the next generation."""
+        while True:
+            try:
+                self._join(generation, detected_at=detected_at)
+                return
+            except (PeerFailure, GenerationChanged, RuntimeError) as error:
+                if not self.fault_tolerant:
+                    raise
+                self.events.emit("join_failed", generation=generation.number, error=str(error)[:500])
+                if not isinstance(error, GenerationChanged):
+                    report(
+                        self.store,
+                        "failure",
+                        self.env.worker,
+                        generation=generation.number,
+                        step=self.step,
+                        kind="collective",
+                        error=str(error)[:500],
+                    )
+                self._leave_process_group()
+                generation = self._wait_for_membership(newer_than=generation.number, timeout_s=self.recovery_timeout_s)
+
+    def _join(self, generation: Generation, *, detected_at: float) -> None:
+        seen_at = time.time()
+        self._leave_process_group()
+        self._rendezvous(generation)
+        dist.init_process_group(
+            backend=self.backend,
+            store=dist.PrefixStore(generation.store_prefix, self.store),
+            rank=generation.members[self.env.worker],
+            world_size=generation.world_size,
+            timeout=timedelta(seconds=self.collective_timeout_s),
+        )
+        self.generation = generation
+        self.heartbeat.generation = generation.number
+        self.events.rank = self.rank
+        rebuilt_at = time.time()
+
+        def announce(source: int) -> None:
+            if generation.number > 1 and self.rank == source:
+                report(self.store, "source", self.env.worker, generation=generation.number)
+
+        try:
+            result = synchronize_state(self.tensors, step=self.step, valid=self.valid, announce=announce)
+        except RuntimeError as error:
+            if "failed its identity check" in str(error) or "state layouts" in str(error):
+                raise
+            raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from error
+        self.step, self.valid = result.step, True
+        self.events.emit(
+            "recovered" if generation.number > 1 else "joined",
+            generation=generation.number,
+            world_size=generation.world_size,
+            step=self.step,
+            detected_at=detected_at,
+            seen_at=seen_at,
+            rebuild_s=rebuilt_at - seen_at,
+            transfer_s=time.time() - rebuilt_at,
+            source=result.source,
+            receivers=list(result.receivers),
+            bytes_moved=result.bytes_moved,
+        )
+
+    def _rendezvous(self, generation: Generation) -> None:
+        """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation
+        exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
+        prefix = f"{generation.store_prefix}/joined"
+        self.store.add(prefix, 1)
+        deadline = time.monotonic() + self.recovery_timeout_s
+        while int(self.store.add(prefix, 0)) < generation.world_size:
+            if current_generation_number(self.store) != generation.number:
+                raise GenerationChanged(f"generation {generation.number} was superseded while forming")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {generation.number} did not form within {self.recovery_timeout_s} s")
+            time.sleep(0.005)
+
+    def _wait_for_membership(self, *, newer_than: int, timeout_s: float | None) -> Generation:
+        """The next generation that names this worker; `Removed` if one leaves it out after it was a member."""
+        while True:
+            try:
+                generation = wait_for_generation(
+                    self.store, newer_than=newer_than, timeout_s=timeout_s if timeout_s is not None else 600.0
+                )
+            except TimeoutError:
+                if timeout_s is not None:
+                    raise
+                continue  # an idle spare waits as long as its supervisor lives (it dies with it)
+            if self.env.worker in generation.members:
+                return generation
+            if newer_than > 0 and self.generation.number > 0:
+                raise Removed(f"{self.env.worker} is not a member of generation {generation.number}")
+            newer_than = generation.number
+
+    def _leave_process_group(self) -> None:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""Peer-to-peer state transfer: the ranks of a new generation agree on the most advanced consistent state, and
+its holder sends it, tensor by tensor over the collective backend, to every rank that is behind or new.
+
+Nothing received is unpickled: both sides hold the same tensor layout (same model and optimizer built the same
+way), checked by a fingerprint of names, shapes and dtypes; the data is checked by the sender's checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class NoHealthyReplica(RuntimeError):
+    """No rank of the generation holds a trustworthy copy of the state."""
+
+
+class IntegrityError(RuntimeError):
+    """Received state does not match the identity (step, checksum) its sender announced."""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    step: int
+    """The agreed step every rank now holds."""
+    source: int
+    """Rank whose state was the reference."""
+    receivers: tuple[int, ...]
+    """Ranks that received the state."""
+    bytes_moved: int
+    """Bytes sent from the source (all receivers together)."""
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Everything that defines the training state as named tensors, in a fixed order: the model's parameters and
+    buffers (tied tensors once), then the optimizer's per-parameter state."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[f"model/{name}"] = tensor
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    for param, param_state in optimizer.state.items():
+        for key in sorted(param_state):
+            if isinstance(param_state[key], torch.Tensor):
+                tensors[f"optim/{index[id(param)]}/{key}"] = param_state[key]
+    return tensors
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state now, as the optimizer would on its first step (zeros, step 0), so a rank that has
+    not trained yet (a hot spare) holds the same tensor layout as its peers and can receive their state."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"materialize_optimizer_state supports Adam and AdamW, not {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def layout_fingerprint(tensors: dict[str, torch.Tensor]) -> int:
+    digest = hashlib.sha256()
+    for name, tensor in tensors.items():
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    return _int63(digest)
+
+
+def checksum(tensors: dict[str, torch.Tensor], *, step: int) -> int:
+    """SHA-256 of the step and every tensor's bytes, folded to a signed 63-bit integer (sent as an int64)."""
+    digest = hashlib.sha256(str(step).encode())
+    for tensor in tensors.values():
+        digest.update(_bytes(tensor))
+    return _int63(digest)
+
+
+def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: bool, announce=None) -> TransferResult:
+    """Collective over the current process group: agree on the state to keep, then move it to ranks that lack it.
+
+    `valid` is False for a rank whose state is not to be trusted (a new spare, a rank interrupted inside its
+    optimizer step). The reference is the lowest rank among those holding the highest step with valid state.
+    `announce(source_rank)` is called on every rank once the source is known (for events and fault injection).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.tensor([step, int(valid), layout_fingerprint(tensors)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    infos = [tuple(int(x) for x in info) for info in everyone]
+    if len({fingerprint for _, _, fingerprint in infos}) != 1:
+        raise IntegrityError("ranks hold different state layouts (model or optimizer built differently)")
+    holders = [(s, r) for r, (s, v, _) in enumerate(infos) if v]
+    if not holders:
+        raise NoHealthyReplica("no rank of this generation holds a valid copy of the training state")
+    target = max(s for s, _ in holders)
+    source = min(r for s, r in holders if s == target)
+    receivers = tuple(r for r, (s, v, _) in enumerate(infos) if not v or s < target)
+    if announce is not None:
+        announce(source)
+    ok = torch.ones(1, dtype=torch.int64)
+    bytes_moved = 0
+    if receivers and rank == source:
+        header = torch.tensor([target, checksum(tensors, step=target)], dtype=torch.int64)
+        for receiver in receivers:
+            dist.send(header, receiver)
+            for tensor in tensors.values():
+                dist.send(_flat(tensor), receiver)
+                bytes_moved += tensor.numel() * tensor.element_size()
+    elif rank in receivers:
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.recv(header, source)
+        with torch.no_grad():
+            for tensor in tensors.values():
+                dist.recv(_flat(tensor), source)
+        if int(header[0]) != target or int(header[1]) != checksum(tensors, step=target):
+            ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok):
+        raise IntegrityError(f"state received from rank {source} failed its identity check (step {target})")
+    return TransferResult(step=target, source=source, receivers=receivers, bytes_moved=bytes_moved)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    assert tensor.is_contiguous(), "state tensors are sent in place and must be contiguous"
+    return tensor.view(-1) if tensor.dim() != 1 else tensor
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _int63(digest) -> int:
+    return int.from_bytes(digest.digest()[:8], "big") >> 1
