@@ -37,4 +37,5 @@ class Heartbeat:
 
     def stop(self) -> None:
         self.stopped.set()
-        self.thread.join(timeout=self.interval_s * 4 + 1)
+        if self.thread.is_alive():
+            self.thread.join(timeout=self.interval_s * 4 + 1)

@@ -73,13 +73,19 @@ class Replica:
             timeout=timedelta(seconds=max(collective_timeout_s, recovery_timeout_s)),
             wait_for_workers=False,
         )
-        self.heartbeat = Heartbeat(self.store, worker=env.worker, interval_s=heartbeat_interval_s).start()
+        self.heartbeat = Heartbeat(self.store, worker=env.worker, interval_s=heartbeat_interval_s)
+        if fault_tolerant:
+            self.heartbeat.start()
         self.generation = Generation(number=0)
         self.tensors: dict[str, torch.Tensor] = {}
         self.step = 0
         """Optimizer steps committed; moves with the state."""
         self.valid = True
         """Whether this rank's state may be trusted as a source (False for a new spare or after a torn update)."""
+        self.interrupted_step = 0
+        """The (1-based) step in progress when the last failure was noticed; replay ends when it commits."""
+        self.replay: tuple[int, float] | None = None
+        """(step to reach, when the replay began) while a replay is in progress."""
 
     @property
     def rank(self) -> int:
@@ -115,19 +121,27 @@ class Replica:
                 self._recover(error)
                 continue
             self.step += 1
-            if self.fault_tolerant:
-                report(self.store, "progress", self.env.worker, generation=self.generation.number, step=self.step)
+            # Progress is reported in every mode: the supervisor's fault injector and reports read it.
+            report(self.store, "progress", self.env.worker, generation=self.generation.number, step=self.step)
+            if self.replay is not None and self.step >= self.replay[0]:
+                self._phase("replay", started_at=self.replay[1], step=self.step)
+                self.replay = None
             return result
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the generation's ranks, bounded by the collective timeout; a failure is a PeerFailure."""
         if self.world_size == 1:
             return
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
             work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
+            return
         except RuntimeError as error:
-            raise PeerFailure(f"all-reduce failed in generation {self.generation.number}: {error}") from error
+            message = f"all-reduce failed in generation {self.generation.number}: {error}"
+        # No reference to the failed work may outlive this frame (the raised error keeps the frame alive): it
+        # would keep the old process group, and its connections to peers still blocked on us, open.
+        del work
+        raise PeerFailure(message)
 
     @contextlib.contextmanager
     def critical_section(self):
@@ -151,6 +165,7 @@ class Replica:
 
     def _recover(self, error: Exception) -> None:
         detected_at = time.time()
+        self.interrupted_step = self.step + 1
         cause = (
             "generation_changed"
             if isinstance(error, GenerationChanged)
@@ -224,18 +239,31 @@ class Replica:
                 raise
             raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from error
         self.step, self.valid = result.step, True
+        synced_at = time.time()
+        if generation.number > 1:
+            self._phase("rebuild", started_at=seen_at, ended_at=rebuilt_at, detected_at=detected_at)
+            self._phase(
+                "transfer",
+                started_at=rebuilt_at,
+                ended_at=synced_at,
+                step=self.step,
+                source=result.source,
+                receivers=list(result.receivers),
+                bytes_moved=result.bytes_moved,
+            )
+            self.replay = (max(self.interrupted_step, self.step + 1), synced_at)
+        self.events.emit("joined", generation=generation.number, world_size=generation.world_size, step=self.step)
+
+    def _phase(self, phase: str, *, started_at: float, ended_at: float | None = None, **fields) -> None:
+        """One event per recovery phase, with its duration (the report sums them per generation)."""
+        ended_at = time.time() if ended_at is None else ended_at
         self.events.emit(
-            "recovered" if generation.number > 1 else "joined",
-            generation=generation.number,
-            world_size=generation.world_size,
-            step=self.step,
-            detected_at=detected_at,
-            seen_at=seen_at,
-            rebuild_s=rebuilt_at - seen_at,
-            transfer_s=time.time() - rebuilt_at,
-            source=result.source,
-            receivers=list(result.receivers),
-            bytes_moved=result.bytes_moved,
+            "recovery_phase",
+            phase=phase,
+            generation=self.generation.number,
+            duration_s=ended_at - started_at,
+            **fields,
+            **_resources(),
         )
 
     def _rendezvous(self, generation: Generation) -> None:
@@ -272,3 +300,16 @@ class Replica:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def _resources() -> dict[str, int]:
+    """Open files and threads of this process: recorded with each recovery phase to show nothing leaks."""
+    import os
+
+    try:
+        open_files = len(os.listdir("/proc/self/fd"))
+        status = open("/proc/self/status").read()
+        threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    except (OSError, StopIteration):
+        return {}
+    return {"open_files": open_files, "threads": threads}

@@ -109,6 +109,7 @@ class Supervisor:
         self.failures_without_progress = 0
         self.progress_at_last_failure = -1
         self.injector = FaultInjector(spec.faults, start_time=time.time())
+        self.injected_at: dict[str, float] = {}
         self.context = None
 
     @property
@@ -177,13 +178,24 @@ class Supervisor:
     def _publish(self, generation: Generation) -> None:
         self.generation = generation
         publish_generation(self.store, generation)
+        self._forget_old_generations()
         self.events.emit(
             "generation_started",
             generation=generation.number,
             members=generation.members,
             world_size=generation.world_size,
             reason=generation.reason,
+            store_keys=self.store.num_keys(),
         )
+
+    def _forget_old_generations(self) -> None:
+        """Delete the store keys of generations before the previous one, so the store stays flat however many
+        recoveries a job goes through (the previous generation's may still be read by a worker leaving it)."""
+        keep_from = self.generation.number - 1
+        for key in self.store.list_keys():
+            prefix = key.split("/", 1)[0]
+            if prefix.startswith("gen") and prefix[3:].isdigit() and int(prefix[3:]) < keep_from:
+                self.store.delete_key(key)
 
     # --- watch ------------------------------------------------------------------------------------------------
 
@@ -213,7 +225,7 @@ class Supervisor:
             self._replace_lost_spares()
             self._maybe_grow()
             self._start_owed_spares()
-            self._inject_faults()
+        self._inject_faults()
         return None
 
     def _detect_failures(self, codes: dict[str, int | None]) -> dict[str, dict]:
@@ -274,6 +286,16 @@ class Supervisor:
                 generation=self.generation.number,
                 **{k: v for k, v in failure.items() if k != "lost"},
             )
+        now = time.time()
+        failed_at = min(self.injected_at.pop(name, now) for name in failures)
+        self.events.emit(
+            "recovery_phase",
+            phase="detect",
+            generation=self.generation.number + 1,
+            duration_s=now - failed_at,
+            failed_at=failed_at,
+            interrupted_step=reached + 1,
+        )
         if reached > self.progress_at_last_failure:
             self.failures_without_progress = 0
         self.failures_without_progress += 1
@@ -376,6 +398,7 @@ class Supervisor:
         for strike in strikes:
             worker = self.workers[strike.worker]
             _signal(worker.process, strike.signum)
+            self.injected_at[strike.worker] = time.time()
             self.events.emit(
                 "fault_injected",
                 kind=strike.event.kind,

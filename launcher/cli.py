@@ -19,11 +19,13 @@ Train a recipe on a cluster; any config field can be overridden Hydra-style (key
   --cfg job    print the composed config and exit
   --help       this text
 
-Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, dry_run,
+Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, dry_run, ft.spares,
+  fault=kill_worker fault.rank=1 fault.step=20,
   data=text_files data.paths=[a.txt,b.txt], trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
   model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. The README has the full reference.
 
-Exit codes: 0 completed, 2 bad input (nothing started), 3 the job failed while running, 130 interrupted."""
+Exit codes: 0 completed, 2 bad input (nothing started), 3 the job failed while running,
+  4 repeated failures without progress, 130 interrupted."""
 
 
 def main(argv: list[str] | None = None) -> int:

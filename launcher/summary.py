@@ -70,46 +70,32 @@ def failures(events: list[dict]) -> list[dict]:
 
 
 def recoveries(events: list[dict]) -> list[dict]:
-    """One entry per generation started by a failure, with the protocol's phases:
-    detect (failure -> detected), rebuild (process group of the new generation), transfer (agree + state moved),
-    replay (until the interrupted step is committed again); `time_to_recover_s` spans them all."""
+    """One entry per generation started by a failure, from the `recovery_phase` events: detect (failure to
+    detection, by the supervisor), rebuild (the new generation's process group), transfer (agree on the step and
+    move state), replay (until the interrupted step is committed again); `time_to_recover_s` spans them all."""
+    phases = [e for e in events if e["event"] == "recovery_phase"]
     result = []
-    for start in (e for e in events if e["event"] == "generation_started" and e["reason"] == "failure"):
-        number = start["generation"]
-        causes = [e for e in events if e["event"] == "failure_detected" and e["generation"] == number - 1]
-        if not causes:
-            continue
-        detected_at = min(e["t"] for e in causes)
-        injected = [
-            e["t"]
-            for e in events
-            if e["event"] == "fault_injected" and e["generation"] == number - 1 and e["t"] <= detected_at
-        ]
-        failed_at = min(injected, default=detected_at)
-        interrupted_step = max(e["step"] for e in causes) + 1
-        joined = [e for e in events if e["event"] == "recovered" and e["generation"] == number]
+    for detect in (e for e in phases if e["phase"] == "detect"):
+        number = detect["generation"]
+        mine = {
+            name: [e for e in phases if e["generation"] == number and e["phase"] == name]
+            for name in ("rebuild", "transfer", "replay")
+        }
         entry = {
             "generation": number,
-            "world_size": start["world_size"],
-            "interrupted_step": interrupted_step,
-            "detect_s": detected_at - failed_at,
-            "completed": bool(joined),
+            "interrupted_step": detect["interrupted_step"],
+            "detect_s": detect["duration_s"],
+            "completed": bool(mine["replay"]),
         }
-        if joined:
-            synced_at = max(e["t"] for e in joined)
-            back = [
-                e["t"]
-                for e in events
-                if e["event"] == "step_committed" and e["step"] >= interrupted_step and e["t"] >= synced_at
-            ]
-            back_at = min(back, default=synced_at)
+        if entry["completed"]:
             entry |= {
-                "rebuild_s": max(e["rebuild_s"] for e in joined),
-                "transfer_s": max(e["transfer_s"] for e in joined),
-                "replay_s": back_at - synced_at,
-                "bytes_moved": sum(e["bytes_moved"] for e in joined),
-                "source_rank": joined[0]["source"],
-                "time_to_recover_s": back_at - failed_at,
+                "rebuild_s": max(e["duration_s"] for e in mine["rebuild"]),
+                "transfer_s": max(e["duration_s"] for e in mine["transfer"]),
+                "replay_s": max(e["duration_s"] for e in mine["replay"]),
+                "bytes_moved": sum(e["bytes_moved"] for e in mine["transfer"]),
+                "source_rank": mine["transfer"][0]["source"],
+                "world_size": len(mine["transfer"]),
+                "time_to_recover_s": max(e["t"] for e in mine["replay"]) - detect["failed_at"],
             }
         result.append(entry)
     return result

@@ -1,0 +1,175 @@
+"""Checkpointless recovery under real faults: worker processes are killed, stopped or made to raise by signals
+from the supervisor, and the final parameters are compared bitwise with a run that had no failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptless_core.events import read_events
+from tests.conftest import read_summary
+
+STEPS = 24
+FAULT_STEP = 12
+# Layouts: (workers, spares, global batch, micro-batch). Every fault case runs with enough workers and spares that
+# a healthy copy of the state and a spare always exist.
+TWO = ("cluster.nproc=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=8")
+THREE = ("cluster.nproc=3", "trainer.global_batch_size=24", "trainer.micro_batch_size=8")
+FOUR = ("cluster.nproc=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def run(launch, tmp_path_factory):
+    """Run tiny_llama for STEPS steps with `overrides`; returns (process, run_dir)."""
+    root = tmp_path_factory.mktemp("recovery")
+
+    def go(name: str, *overrides: str):
+        run_dir = root / name
+        proc = launch(
+            "recipe=tiny_llama",
+            f"trainer.max_steps={STEPS}",
+            "trainer.print_every=100",
+            *overrides,
+            f"run.dir={run_dir}",
+        )
+        return proc, run_dir
+
+    return go
+
+
+@pytest.fixture(scope="module")
+def fault_free(run):
+    """The reference hash of each layout, from a run without failures (shared by the tests below)."""
+    hashes = {}
+
+    def reference(layout: tuple[str, ...]) -> str:
+        if layout not in hashes:
+            proc, run_dir = run(f"reference-{len(hashes)}", *layout, "ft.spares=0")
+            assert proc.returncode == 0, proc.stderr + proc.stdout
+            hashes[layout] = read_summary(run_dir)["param_sha256"]
+        return hashes[layout]
+
+    return reference
+
+
+def assert_recovered(proc, run_dir, *, expected_hash: str, failures: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["param_sha256"] == expected_hash  # bitwise the run that never failed
+    assert len(summary["failures"]) == failures
+    completed = [r for r in summary["recoveries"] if r["completed"]]
+    assert completed, summary["recoveries"]
+    for recovery in completed:
+        assert recovery["time_to_recover_s"] > 0
+        assert recovery["time_to_recover_s"] >= recovery["rebuild_s"] + recovery["transfer_s"]
+    return summary
+
+
+def test_a_killed_worker_is_replaced_by_the_spare_and_the_run_is_bitwise_unchanged(run, fault_free):
+    proc, run_dir = run("kill", *TWO, "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    failure = summary["failures"][0]
+    assert (failure["rank"], failure["kind"], failure["detected_by"]) == (1, "exit", "process_exit")
+    assert failure["step"] == FAULT_STEP
+    recovery = summary["recoveries"][0]
+    assert recovery["bytes_moved"] > 0 and recovery["world_size"] == 2
+    assert summary["final_world_size"] == 2
+    assert "failure: worker1 (rank 1)" in proc.stdout and "recovered:" in proc.stdout
+    phases = [e["phase"] for e in read_events(run_dir / "events") if e["event"] == "recovery_phase"]
+    assert set(phases) == {"detect", "rebuild", "transfer", "replay"}
+    # The supervisor started a new spare after the promotion.
+    started = [e for e in read_events(run_dir / "events") if e["event"] == "worker_started"]
+    assert len(started) == 4
+
+
+def test_an_exception_in_forward_is_recovered_in_place_without_a_spare(run, fault_free):
+    proc, run_dir = run("exception", *TWO, "ft.spares=0", "fault=exception", f"fault.step={FAULT_STEP}")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert summary["failures"][0]["detected_by"] == "worker_report"
+    assert summary["final_world_size"] == 2
+    assert summary["recoveries"][0]["bytes_moved"] == 0  # the worker kept its own state
+
+
+def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(run, fault_free):
+    proc, run_dir = run("hang", *TWO, "fault=hang", f"fault.step={FAULT_STEP}", "ft.heartbeat_timeout_s=2")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert summary["failures"][0]["detected_by"] == "heartbeat"
+    # Silent for the timeout, counted from its last heartbeat (up to one interval before the stop).
+    assert summary["recoveries"][0]["detect_s"] >= 2 - 0.5
+    assert any(e["event"] == "worker_fenced" for e in read_events(run_dir / "events"))
+
+
+def test_two_workers_killed_at_once(run, fault_free):
+    proc, run_dir = run(
+        "two",
+        *FOUR,
+        "ft.spares=2",
+        "fault=two_kills",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_worker,rank:2,step:{FAULT_STEP}}}]",
+    )
+    assert_recovered(proc, run_dir, expected_hash=fault_free(FOUR), failures=2)
+
+
+def test_a_kill_during_a_recovery_in_progress(run, fault_free):
+    proc, run_dir = run(
+        "in-recovery",
+        *THREE,
+        "ft.spares=2",
+        "fault=kill_in_recovery",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_in_recovery,rank:2,step:{FAULT_STEP}}}]",
+    )
+    assert_recovered(proc, run_dir, expected_hash=fault_free(THREE), failures=2)
+
+
+def test_a_kill_of_the_worker_sending_state(run, fault_free):
+    proc, run_dir = run(
+        "sender",
+        *THREE,
+        "ft.spares=2",
+        "fault=kill_sender",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_sender,step:{FAULT_STEP}}}]",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(THREE), failures=2)
+    assert any(e["event"] == "fault_injected" and e["kind"] == "kill_sender" for e in read_events(run_dir / "events"))
+    assert summary["final_world_size"] == 3
+
+
+def test_a_killed_spare_is_replaced(run, fault_free):
+    proc, run_dir = run("spare", *TWO, "fault=kill_spare", "fault.step=5")
+    assert proc.returncode == 0, proc.stderr
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == fault_free(TWO)
+    events = read_events(run_dir / "events")
+    assert any(e["event"] == "spare_lost" for e in events)
+    assert sum(e["event"] == "worker_started" and e["spare"] for e in events) == 2
+
+
+def test_without_a_spare_the_job_shrinks_and_keeps_the_global_batch(run, fault_free):
+    # Two workers halve to one with the micro-batch kept: the same sums in the same order, so the same bits.
+    proc, run_dir = run("shrink", *TWO, "ft.spares=0", "fault=kill_worker", f"fault.step={FAULT_STEP}")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert summary["final_world_size"] == 1
+    assert any(e["event"] == "job_shrunk" for e in read_events(run_dir / "events"))
+
+
+def test_repeated_failures_without_progress_end_the_job_with_a_distinct_code(run):
+    proc, run_dir = run(
+        "no-progress",
+        *THREE,
+        "ft.spares=2",
+        "ft.max_failures_without_progress=1",
+        "fault=kill_in_recovery",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_in_recovery,rank:2,step:{FAULT_STEP}}}]",
+    )
+    assert proc.returncode == 4, proc.stdout[-2000:]
+    assert "without a committed step" in read_summary(run_dir)["message"]
+
+
+def test_without_fault_tolerance_a_kill_ends_the_job(run):
+    proc, run_dir = run("ft-none", *TWO, "ft=none", "fault=kill_worker", f"fault.step={FAULT_STEP}")
+    assert proc.returncode == 3
+    assert read_summary(run_dir)["status"] == "failed"
