@@ -3,7 +3,8 @@ chosen step, at a chosen moment of a recovery, or at random times.
 
 Kinds: `kill_worker` (SIGKILL), `hang` (SIGSTOP: only missing heartbeats reveal it), `exception` (SIGUSR1, which
 the worker turns into an error raised inside the model's forward at its next call: a signal handler cannot
-interrupt native code), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a member while the next
+interrupt native code), `corrupt` (SIGUSR2: the worker silently perturbs one parameter, as a bit flip would; the
+replicas' periodic checksum comparison must catch it), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a member while the next
 generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random member at exponential
 intervals with mean `mtbf_s`, seeded).
 """
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("kill_worker", "hang", "exception", "kill_spare", "kill_in_recovery", "kill_sender", "chaos")
+KINDS = ("kill_worker", "hang", "exception", "corrupt", "kill_spare", "kill_in_recovery", "kill_sender", "chaos")
 SIGNALS = {
     "kill_worker": signal.SIGKILL,
     "hang": signal.SIGSTOP,
     "exception": signal.SIGUSR1,
+    "corrupt": signal.SIGUSR2,
     "kill_spare": signal.SIGKILL,
     "kill_in_recovery": signal.SIGKILL,
     "kill_sender": signal.SIGKILL,
@@ -119,18 +121,24 @@ class InjectedFault(RuntimeError):
     """The error an `exception` fault raises inside the model's forward."""
 
 
-def install_exception_fault(module: torch.nn.Module) -> None:
-    """Make SIGUSR1 raise `InjectedFault` inside `module`'s next forward (a forward pre-hook checks a flag that
-    the signal handler sets; the handler itself must not raise inside native code)."""
+def install_fault_handlers(module: torch.nn.Module) -> None:
+    """Turn injected signals into faults inside this worker: SIGUSR1 raises `InjectedFault` in `module`'s next
+    forward (a forward pre-hook checks a flag the handler sets: a handler must not raise inside native code);
+    SIGUSR2 silently adds 1.0 to one parameter element, between two Python operations of the main thread."""
     requested = {"raise": False}
 
-    def on_signal(signum, frame) -> None:
+    def on_exception_signal(signum, frame) -> None:
         requested["raise"] = True
+
+    def on_corrupt_signal(signum, frame) -> None:
+        with torch.no_grad():
+            next(module.parameters()).view(-1)[0] += 1.0
 
     def pre_forward(mod, args) -> None:
         if requested["raise"]:
             requested["raise"] = False
             raise InjectedFault("injected exception in forward (fault=exception)")
 
-    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGUSR1, on_exception_signal)
+    signal.signal(signal.SIGUSR2, on_corrupt_signal)
     module.register_forward_pre_hook(pre_forward)

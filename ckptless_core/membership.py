@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 GENERATION_KEY = "generation"
 GENERATION_NUMBER_KEY = "generation_number"
+STOP_KEY = "stop"
+"""Set by the supervisor to ask every worker for a clean stop at its next step boundary."""
 
 
 @dataclass(frozen=True)

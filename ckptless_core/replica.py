@@ -17,21 +17,24 @@ import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ckptless_core.checkpoint import latest_checkpoint, load_checkpoint
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
 from ckptless_core.heartbeat import Heartbeat
 from ckptless_core.membership import (
+    STOP_KEY,
     Generation,
     current_generation_number,
     report,
     wait_for_generation,
 )
-from ckptless_core.transfer import synchronize_state
+from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, synchronize_state
 
 T = TypeVar("T")
 
@@ -42,6 +45,14 @@ class PeerFailure(RuntimeError):
 
 class GenerationChanged(RuntimeError):
     """The supervisor started a new generation (a failure elsewhere, or a spare joining)."""
+
+
+class ReplicaDivergence(RuntimeError):
+    """The replicas' state checksums disagree: silent corruption or divergence, repaired from the majority."""
+
+
+class StopRequested(Exception):
+    """The supervisor asked for a clean stop at a step boundary (preemption: SIGTERM to the launcher)."""
 
 
 class Removed(SystemExit):
@@ -59,12 +70,14 @@ class Replica:
         heartbeat_interval_s: float,
         events: EventLog,
         fault_tolerant: bool = True,
+        check_every: int = 0,
     ) -> None:
         self.env = env
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.recovery_timeout_s = recovery_timeout_s
         self.fault_tolerant = fault_tolerant
+        self.check_every = check_every
         self.events = events
         self.store = dist.TCPStore(
             env.master_addr,
@@ -86,6 +99,27 @@ class Replica:
         """The (1-based) step in progress when the last failure was noticed; replay ends when it commits."""
         self.replay: tuple[int, float] | None = None
         """(step to reach, when the replay began) while a replay is in progress."""
+        self.checkpoint_dir: Path | None = None
+        """Where disk checkpoints are, for the fallback when no healthy replica holds the state."""
+
+    @classmethod
+    def from_environ(cls, *, collective_timeout_s: float = 60.0, check_every: int = 0) -> Replica:
+        """For a script started by `python -m ckptless_core.run`: identity, store and run directory from the
+        environment; events go to `<run dir>/events/<worker>.jsonl`."""
+        import os
+
+        env = WorkerEnv.from_environ()
+        run_dir = Path(os.environ.get("CKPTLESS_RUN_DIR", "."))
+        return cls(
+            env,
+            backend="auto",
+            collective_timeout_s=collective_timeout_s,
+            recovery_timeout_s=60.0,
+            heartbeat_interval_s=0.5,
+            events=EventLog(run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker),
+            fault_tolerant=os.environ.get("CKPTLESS_FT", "1") == "1",
+            check_every=check_every,
+        )
 
     @property
     def rank(self) -> int:
@@ -111,6 +145,8 @@ class Replica:
     def run_step(self, step_fn: Callable[[int], T]) -> T:
         """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again."""
         while True:
+            if self.store.check([STOP_KEY]):
+                raise StopRequested(f"stop requested before step {self.step + 1}")
             try:
                 if self.fault_tolerant and current_generation_number(self.store) != self.generation.number:
                     raise GenerationChanged(f"generation {self.generation.number} ended")
@@ -126,6 +162,11 @@ class Replica:
             if self.replay is not None and self.step >= self.replay[0]:
                 self._phase("replay", started_at=self.replay[1], step=self.step)
                 self.replay = None
+            if self.fault_tolerant and self.check_every and self.step % self.check_every == 0:
+                try:
+                    self._verify_replicas(step=self.step)
+                except Exception as error:
+                    self._recover(error)
             return result
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -142,6 +183,27 @@ class Replica:
         # would keep the old process group, and its connections to peers still blocked on us, open.
         del work
         raise PeerFailure(message)
+
+    def _verify_replicas(self, *, step: int) -> None:
+        """Compare a cheap fingerprint (float64 sum of every state tensor, bit for bit) across the replicas. The
+        value most ranks hold wins (ties: the lowest rank's); a rank holding another is marked untrusted, so the
+        recovery that follows gives it a healthy peer's copy instead of letting it train on corrupt state."""
+        if self.world_size == 1:
+            return
+        total = torch.stack([t.detach().double().sum().cpu() for t in self.tensors.values()]).sum()
+        mine = total.reshape(1).view(torch.int64)  # compared bit for bit
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(everyone, mine)
+        except RuntimeError as error:
+            raise PeerFailure(f"replica check failed in generation {self.generation.number}: {error}") from None
+        values = [int(v) for v in everyone]
+        majority = max(values, key=lambda v: (values.count(v), -values.index(v)))
+        if len(set(values)) > 1:
+            outliers = [rank for rank, value in enumerate(values) if value != majority]
+            self.events.emit("divergence_detected", step=step, outlier_ranks=outliers)
+            self.valid = values[self.rank] == majority
+            raise ReplicaDivergence(f"replica checksums disagree after step {step}: ranks {outliers} differ")
 
     @contextlib.contextmanager
     def critical_section(self):
@@ -234,10 +296,12 @@ class Replica:
 
         try:
             result = synchronize_state(self.tensors, step=self.step, valid=self.valid, announce=announce)
+        except IntegrityError:
+            raise
+        except NoHealthyReplica as error:
+            result = self._restore_from_checkpoint(error)
         except RuntimeError as error:
-            if "failed its identity check" in str(error) or "state layouts" in str(error):
-                raise
-            raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from error
+            raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from None
         self.step, self.valid = result.step, True
         synced_at = time.time()
         if generation.number > 1:
@@ -265,6 +329,17 @@ class Replica:
             **fields,
             **_resources(),
         )
+
+    def _restore_from_checkpoint(self, error: NoHealthyReplica) -> TransferResult:
+        """No rank holds a trusted copy (every holder died at once): every rank loads the latest disk checkpoint,
+        and says so; without one the recovery fails."""
+        path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        if path is None:
+            raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to (ft.checkpoint_every)")
+        self.step = load_checkpoint(path, self.tensors)
+        self.events.emit("checkpoint_fallback", generation=self.generation.number, step=self.step, path=str(path))
+        dist.barrier()
+        return TransferResult(step=self.step, source=-1, receivers=(self.rank,), bytes_moved=0)
 
     def _rendezvous(self, generation: Generation) -> None:
         """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation

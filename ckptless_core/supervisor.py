@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultEvent, FaultInjector
-from ckptless_core.membership import Generation, publish_generation, read_reports
+from ckptless_core.membership import STOP_KEY, Generation, publish_generation, read_reports
 from ckptless_core.worker_process import run_worker
 
 
@@ -442,28 +442,30 @@ class Supervisor:
 
     def _stop_spares(self) -> None:
         for name in self._spares():
-            _signal(self.workers[name].process, signal.SIGTERM)
+            _signal(self.workers[name].process, signal.SIGKILL)
         for name in self._spares():
             self.workers[name].process.join(timeout=5.0)
+
+    def request_stop(self) -> None:
+        """Preemption: every worker stops cleanly at its next step boundary (writing a final checkpoint when
+        checkpoints are enabled) and exits; keep polling for the outcome."""
+        if self.store is not None:
+            self.store.set(STOP_KEY, "1")
+            self.events.emit("stop_requested")
 
     def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
         while (outcome := self.poll()) is None:
             time.sleep(poll_interval_s)
         return outcome
 
-    def stop(self, *, grace_s: float = 5.0) -> None:
-        """Terminate every live worker and spare: SIGTERM, then SIGKILL after `grace_s`. Bounded."""
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """Kill every live worker and spare at once (workers ignore SIGTERM: a clean stop is `request_stop`)."""
         live = [w.process for w in self.workers.values() if w.process.exitcode is None]
         for process in live:
-            _signal(process, signal.SIGCONT)
-            _signal(process, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+            _signal(process, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
         for process in live:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in live:
-            if process.exitcode is None:
-                _signal(process, signal.SIGKILL)
-                process.join(timeout=5.0)
 
     def close(self) -> None:
         self.stop()
@@ -477,7 +479,7 @@ def start_fork_server(preload: Sequence[str]) -> multiprocessing.context.BaseCon
     Calling it early (before other start-up work) overlaps those imports with that work. Idempotent.
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))
+    context.set_forkserver_preload(["ckptless_core.fork_server", *preload])
     multiprocessing.forkserver.ensure_running()
     return context
 

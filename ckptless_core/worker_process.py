@@ -25,8 +25,9 @@ def run_worker(
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.environ.update(env)
-    # The launcher's Ctrl-C reaches the whole process group; the supervisor decides how workers stop.
+    # Ctrl-C and preemption often reach every process of the job; the supervisor decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     import torch
 

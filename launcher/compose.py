@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -85,6 +86,11 @@ def validate(job: JobConfig) -> None:
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
     validate_fault_tolerance(job)
+    if job.resume is not None and not list((Path(job.resume) / "checkpoints").glob("step_*.safetensors")):
+        raise ConfigError(
+            f"resume={job.resume}: no disk checkpoint there (checkpoints/step_*.safetensors); resume needs a run "
+            "that had ft.checkpoint_every set"
+        )
 
 
 def validate_fault_tolerance(job: JobConfig) -> None:
@@ -93,8 +99,10 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"ft.mode={ft.mode!r}: choose ft=ckptless or ft=none")
     if ft.on_no_spare not in ("shrink", "wait", "fail"):
         raise ConfigError(f"ft.on_no_spare={ft.on_no_spare!r}: choose shrink, wait or fail")
-    if ft.spares < 0 or ft.max_failures_without_progress < 0:
-        raise ConfigError("ft.spares and ft.max_failures_without_progress must be 0 or more")
+    if min(ft.spares, ft.max_failures_without_progress, ft.checkpoint_every, ft.check_every) < 0:
+        raise ConfigError(
+            "ft.spares, ft.max_failures_without_progress, ft.checkpoint_every and ft.check_every must be 0 or more"
+        )
     if min(ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s) <= 0:
         raise ConfigError("ft.heartbeat_interval_s, ft.heartbeat_timeout_s and ft.recovery_timeout_s must be positive")
     if ft.heartbeat_timeout_s <= 2 * ft.heartbeat_interval_s:

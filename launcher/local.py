@@ -43,12 +43,10 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
     interrupted = False
     try:
         supervisor.start()
-        while (outcome := supervisor.poll()) is None:
-            progress.update()
-            time.sleep(0.1)
+        outcome = _watch(supervisor, progress)
     except KeyboardInterrupt:
         interrupted = True
-        outcome = JobOutcome(ok=False, exit_codes={}, message="interrupted (Ctrl-C or SIGTERM)")
+        outcome = _stop_cleanly(supervisor, progress, grace_s=job.cluster.collective_timeout_s)
     finally:
         supervisor.close()
         progress.close()
@@ -88,12 +86,36 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
     )
 
 
+def _watch(supervisor: Supervisor, progress: ConsoleProgress, *, deadline: float = float("inf")) -> JobOutcome | None:
+    while (outcome := supervisor.poll()) is None and time.monotonic() < deadline:
+        progress.update()
+        time.sleep(0.05)
+    return outcome
+
+
+def _stop_cleanly(supervisor: Supervisor, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+    """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
+    checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
+    print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)
+    supervisor.request_stop()
+    try:
+        outcome = _watch(supervisor, progress, deadline=time.monotonic() + grace_s)
+    except KeyboardInterrupt:
+        outcome = None
+    message = "stopped on request (Ctrl-C or SIGTERM)"
+    if outcome is None or not outcome.ok:
+        message += "; workers did not stop cleanly and were terminated"
+    return JobOutcome(ok=False, exit_codes={}, message=message, reason="stopped")
+
+
 def _one_line(summary: dict, run_dir: Path) -> str:
     if summary["status"] == "completed":
         return (
             f"completed {summary['steps']} steps in {summary['wall_s']:.1f} s, final loss {summary['final_loss']:.4f}, "
             f"param_sha256 {summary['param_sha256'][:16]}..., outputs in {run_dir}"
         )
+    if summary["status"] == "stopped":
+        return f"stopped after step {summary['steps']}: {summary['message']}; outputs in {run_dir}"
     return f"FAILED: {summary['message']}; see {run_dir}/logs/ and {run_dir}/summary.json"
 
 

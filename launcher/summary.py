@@ -22,7 +22,9 @@ def build_summary(
     hashes = {e["param_sha256"] for e in ends.values()}
     errors = [f"{e['worker']}: {e['error']}" for e in events if e["event"] == "worker_error"]
     status, message = "completed", outcome.message
-    if not outcome.ok:
+    if outcome.reason == "stopped":
+        status = "stopped"
+    elif not outcome.ok:
         status = "failed"
     elif len(hashes) != 1:
         status, message = "failed", f"replicas disagree on the final parameters: {sorted(hashes)}"
@@ -115,7 +117,11 @@ def describe_recoveries(summary: dict) -> list[str]:
                 f"recovered: generation {r['generation']} ({r['world_size']} ranks) back at step "
                 f"{r['interrupted_step']} in {r['time_to_recover_s']:.2f} s (detect {r['detect_s']:.2f}, rebuild "
                 f"{r['rebuild_s']:.2f}, transfer {r['transfer_s']:.2f}, replay {r['replay_s']:.2f} s; "
-                f"{r['bytes_moved'] / 1e6:.1f} MB moved from rank {r['source_rank']})"
+                + (
+                    f"{r['bytes_moved'] / 1e6:.1f} MB moved from rank {r['source_rank']})"
+                    if r["source_rank"] >= 0
+                    else "no healthy peer held the state: loaded the latest disk checkpoint)"
+                )
             )
         else:
             lines.append(f"recovery to generation {r['generation']} was superseded by another failure")

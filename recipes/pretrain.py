@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from ckptless_core.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
-from ckptless_core.faults import install_exception_fault
+from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.replica import Removed, Replica
+from ckptless_core.replica import Removed, Replica, StopRequested
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
@@ -118,35 +119,51 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Token
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
-    install_exception_fault(state.model)
+    install_fault_handlers(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     replica.attach(state_tensors(state.model, state.optimizer))
+    replica.checkpoint_dir = run_dir / "checkpoints"
+    checkpoints = Checkpointer(replica.checkpoint_dir, events=events) if job.ft.checkpoint_every else None
+    if job.resume is not None:
+        replica.step = load_checkpoint(latest_checkpoint(Path(job.resume) / "checkpoints"), replica.tensors)
+        events.emit("resumed", step=replica.step, from_run=job.resume)
     replica.start()  # a hot spare waits here, model built, until it is promoted
     metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
     events.emit("train_start", step=replica.step, world_size=replica.world_size)
     start = time.perf_counter()
     result = {"loss": float("nan")}
-    while replica.step < job.trainer.max_steps:
-        step_start = time.perf_counter()
-        result = replica.run_step(lambda step: train_step(state, step, replica=replica, sampler=sampler, job=job))
-        step_s = time.perf_counter() - step_start
-        events.emit(
-            "step_committed",
-            step=replica.step,
-            loss=result["loss"],
-            step_s=step_s,
-            generation=replica.generation.number,
-        )
-        if replica.rank == 0:
-            metrics.log(
-                replica.step,
-                **result,
-                tokens_per_s=tokens_per_step / step_s,
+    try:
+        while replica.step < job.trainer.max_steps:
+            step_start = time.perf_counter()
+            result = replica.run_step(lambda step: train_step(state, step, replica=replica, sampler=sampler, job=job))
+            step_s = time.perf_counter() - step_start
+            events.emit(
+                "step_committed",
+                step=replica.step,
+                loss=result["loss"],
                 step_s=step_s,
-                elapsed_s=time.perf_counter() - start,
+                generation=replica.generation.number,
             )
-    metrics.close()
+            if replica.rank == 0:
+                metrics.log(
+                    replica.step,
+                    **result,
+                    tokens_per_s=tokens_per_step / step_s,
+                    step_s=step_s,
+                    elapsed_s=time.perf_counter() - start,
+                )
+                if checkpoints is not None and replica.step % job.ft.checkpoint_every == 0:
+                    checkpoints.save_async(replica.tensors, step=replica.step)
+    except StopRequested:
+        events.emit("stopped", step=replica.step)
+        if checkpoints is not None and replica.rank == 0:
+            checkpoints.save(replica.tensors, step=replica.step)
+        return
+    finally:
+        metrics.close()
+        if checkpoints is not None:
+            checkpoints.wait()
     weights = state.model.state_dict()
     digest = param_sha256(weights)
     if replica.rank == 0:
@@ -184,6 +201,7 @@ def main(config_path: str | None = None) -> int:
             collective_timeout_s=job.cluster.collective_timeout_s,
             recovery_timeout_s=job.ft.recovery_timeout_s,
             heartbeat_interval_s=job.ft.heartbeat_interval_s,
+            check_every=job.ft.check_every,
             events=events,
             fault_tolerant=job.ft.mode == "ckptless",
         )

@@ -127,6 +127,12 @@ class FtConfig:
     """End the job (exit code 4) after this many failures in a row with no step committed in between."""
     recovery_timeout_s: float = 60.0
     """Longest wait for a new generation to form during recovery."""
+    checkpoint_every: int = 0
+    """Write a disk checkpoint every this many steps (asynchronously; training waits only for the copy to
+    memory). Used when no healthy peer holds the state, by `resume=`, and on preemption. 0: no checkpoints."""
+    check_every: int = 50
+    """Every this many steps the replicas compare a checksum of their state; a rank outside the majority (ties:
+    the lowest rank wins) is reported as corrupt and repaired from a peer. 0 disables."""
 
 
 @dataclass
@@ -152,6 +158,8 @@ class JobConfig:
     """Seeds model initialisation and the data order."""
     dry_run: bool = False
     """Print the plan (model size, memory per rank, tokens per step, worker commands) and start nothing."""
+    resume: str | None = None
+    """Run directory of a job lost as a whole: start from its latest disk checkpoint (`ft.checkpoint_every`)."""
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -173,3 +173,58 @@ def test_without_fault_tolerance_a_kill_ends_the_job(run):
     proc, run_dir = run("ft-none", *TWO, "ft=none", "fault=kill_worker", f"fault.step={FAULT_STEP}")
     assert proc.returncode == 3
     assert read_summary(run_dir)["status"] == "failed"
+
+
+def test_chaos_kills_at_random_moments_and_the_run_is_bitwise_unchanged(run, fault_free):
+    proc, run_dir = run(
+        "chaos", *TWO, "ft.spares=2", "fault=chaos", "fault.mtbf_s=1.0", "fault.seed=3", "fault.max_faults=2"
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=2)
+    assert all(f["kind"] == "exit" for f in summary["failures"])
+
+
+def test_nothing_leaks_over_twenty_recoveries(run, fault_free):
+    faults = ",".join(f"{{kind:exception,rank:1,step:{step}}}" for step in range(3, 23))
+    proc, run_dir = run("leaks", *TWO, "ft.spares=0", "ft.max_failures_without_progress=2", f"fault.more=[{faults}]")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=20)
+    assert sum(r["completed"] for r in summary["recoveries"]) == 20
+    events = read_events(run_dir / "events")
+    for worker in ("worker0", "worker1"):
+        phases = [
+            e for e in events if e["event"] == "recovery_phase" and e["worker"] == worker and e["phase"] == "transfer"
+        ]
+        assert len(phases) == 20
+        # After the first recoveries warm up, open files and threads stay flat.
+        assert {p["open_files"] for p in phases[5:]} == {phases[5]["open_files"]}, worker
+        assert {p["threads"] for p in phases[5:]} == {phases[5]["threads"]}, worker
+    store_keys = [e["store_keys"] for e in events if e["event"] == "generation_started"]
+    assert len(store_keys) == 21 and max(store_keys[5:]) == min(store_keys[5:])
+
+
+def test_silent_corruption_is_caught_by_the_replica_check_and_repaired(run):
+    proc, run_dir = run(
+        "corrupt", *TWO, "ft.check_every=2", "fault=corrupt", "fault.rank=1", f"fault.step={FAULT_STEP}"
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed"  # the replicas agree again at the end
+    divergence = [e for e in read_events(run_dir / "events") if e["event"] == "divergence_detected"]
+    assert divergence and divergence[0]["outlier_ranks"] == [1]
+    assert summary["recoveries"] and summary["recoveries"][0]["bytes_moved"] > 0
+
+
+def test_with_no_healthy_replica_left_recovery_falls_back_to_the_disk_checkpoint(run, fault_free):
+    proc, run_dir = run(
+        "fallback",
+        *TWO,
+        "ft.spares=2",
+        "ft.checkpoint_every=5",
+        "fault=kill_worker",
+        "fault.rank=0",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_worker,rank:1,step:{FAULT_STEP}}}]",
+    )
+    assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=2)
+    fallbacks = [e for e in read_events(run_dir / "events") if e["event"] == "checkpoint_fallback"]
+    assert fallbacks and all(e["step"] == 10 for e in fallbacks)
+    assert "loaded the latest disk checkpoint" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,5 +94,31 @@ def test_ctrl_c_stops_the_job_and_its_workers(tmp_path, token_cache):
     finally:
         launcher.kill()
     assert launcher.returncode == 130, output
-    assert read_summary(tmp_path / "run")["status"] == "failed"
+    assert read_summary(tmp_path / "run")["status"] == "stopped"
     wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=15, what="workers to stop")
+
+
+def test_preemption_stops_cleanly_with_a_final_checkpoint_and_the_run_resumes(tmp_path, token_cache, launch):
+    launcher = start_launcher(tmp_path / "run", token_cache, "ft.checkpoint_every=1000")
+    try:
+        wait_for(lambda: training_workers(tmp_path / "run"), timeout_s=120, what="training to start")
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, output
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "stopped"
+    stopped_at = summary["steps"]
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*.safetensors"))
+    assert [c.name for c in checkpoints] == [f"step_{stopped_at:08d}.safetensors"]
+
+    resumed = launch(
+        "recipe=tiny_llama",
+        f"trainer.max_steps={stopped_at + 5}",
+        f"resume={tmp_path / 'run'}",
+        f"run.dir={tmp_path / 'resumed'}",
+    )
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(stopped_at + 1, stopped_at + 6))
