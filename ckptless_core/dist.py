@@ -24,6 +24,8 @@ class WorkerEnv:
     """Port of the coordination store."""
     worker: str
     """Stable worker name for logs and events (e.g. `worker1`)."""
+    spare: bool = False
+    """Started as a hot spare: it holds a model skeleton, not the training state, until it receives one."""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv:
@@ -40,6 +42,7 @@ class WorkerEnv:
             master_addr=os.environ["MASTER_ADDR"],
             master_port=int(os.environ["MASTER_PORT"]),
             worker=os.environ.get("CKPTLESS_WORKER", f"worker{rank}"),
+            spare=os.environ.get("CKPTLESS_SPARE") == "1",
         )
 
 

@@ -138,8 +138,9 @@ class Replica:
         report(self.store, "ready", self.env.worker)
         self.events.emit("worker_ready")
         generation = self._wait_for_membership(newer_than=0, timeout_s=None)
-        # A worker that starts in a later generation is a promoted spare: it holds a skeleton, not the state.
-        self.valid = generation.reason == "start"
+        # A promoted spare holds a skeleton, not the state; the workers started with the job hold it (same seed,
+        # or the same resumed checkpoint) even if a failure moved the job past generation 1 while they started.
+        self.valid = not self.env.spare
         self._join_until_done(generation, detected_at=time.time())
 
     def run_step(self, step_fn: Callable[[int], T]) -> T:

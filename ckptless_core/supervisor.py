@@ -146,7 +146,7 @@ class Supervisor:
             target=run_worker,
             kwargs={
                 "entry": self.spec.entry,
-                "env": self._worker_env(name),
+                "env": {**self._worker_env(name), "CKPTLESS_SPARE": "1" if spare else "0"},
                 "log_path": str(log_path),
                 "threads": self.spec.threads_per_worker,
                 "supervisor_pid": os.getpid(),
