@@ -55,10 +55,6 @@ class StopRequested(Exception):
     """The supervisor asked for a clean stop at a step boundary (preemption: SIGTERM to the launcher)."""
 
 
-class Removed(SystemExit):
-    """This worker is not a member of the new generation (it was fenced or replaced): it must stop."""
-
-
 class Replica:
     def __init__(
         self,
@@ -356,7 +352,8 @@ class Replica:
             time.sleep(0.005)
 
     def _wait_for_membership(self, *, newer_than: int, timeout_s: float | None) -> Generation:
-        """The next generation that names this worker; `Removed` if one leaves it out after it was a member."""
+        """The next generation that names this worker. A member left out (a shrink keeps the lowest ranks) turns
+        into a spare and waits, as spares do, for as long as its supervisor lives."""
         while True:
             try:
                 generation = wait_for_generation(
@@ -368,9 +365,12 @@ class Replica:
                 continue  # an idle spare waits as long as its supervisor lives (it dies with it)
             if self.env.worker in generation.members:
                 return generation
-            if newer_than > 0 and self.generation.number > 0:
-                raise Removed(f"{self.env.worker} is not a member of generation {generation.number}")
-            newer_than = generation.number
+            if self.generation.number > 0 and self.valid:
+                # Left out of a shrunken job: wait as a spare; its state will be stale when it is taken back.
+                self.valid = False
+                self._leave_process_group()
+                self.events.emit("demoted_to_spare", generation=generation.number)
+            newer_than, timeout_s = generation.number, None
 
     def _leave_process_group(self) -> None:
         if dist.is_initialized():

@@ -322,17 +322,18 @@ class Supervisor:
                 self.spares_owed += 1
                 self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
         if vacant:
-            if self.ft.on_no_spare == "fail" or (
-                self.ft.on_no_spare == "shrink" and not self._can_run_at(len(members))
-            ):
+            size = self._largest_size(len(members))
+            if self.ft.on_no_spare == "fail" or (self.ft.on_no_spare == "shrink" and not size):
                 message = f"no spare left to replace rank(s) {vacant} (ft.on_no_spare={self.ft.on_no_spare})"
                 self.events.emit("job_abandoned", reason="no_spare", message=message)
                 self.stop()
                 return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="failed")
             if self.ft.on_no_spare == "wait":
                 return self._wait_for_spares(members, vacant)
-            members = {name: i for i, (name, _) in enumerate(sorted(members.items(), key=lambda kv: kv[1]))}
-            self.events.emit("job_shrunk", world_size=len(members), lost_ranks=vacant)
+            # Keep the lowest ranks at the largest size the global batch allows; the rest wait as spares.
+            survivors = [name for name, _ in sorted(members.items(), key=lambda kv: kv[1])]
+            members = {name: rank for rank, name in enumerate(survivors[:size])}
+            self.events.emit("job_shrunk", world_size=size, lost_ranks=vacant, demoted=survivors[size:])
         self._publish(Generation(number=self.generation.number + 1, members=members, reason="failure"))
         return None
 
@@ -359,16 +360,22 @@ class Supervisor:
         )
 
     def _maybe_grow(self) -> None:
-        """A shrunken job takes a ready spare back at the next step boundary (a planned generation change)."""
+        """A shrunken job takes ready spares back at the next step boundary (a planned generation change)."""
         if self.generation.world_size >= self.spec.nproc or self._recovering():
             return
         ready = self._ready_spares()
+        size = self._largest_size(min(self.spec.nproc, self.generation.world_size + len(ready)))
+        if size <= self.generation.world_size:
+            return
         grown = dict(self.generation.members)
-        while ready and len(grown) < self.spec.nproc:
-            grown[ready.pop(0)] = len(grown)
-        if len(grown) > self.generation.world_size and self._can_run_at(len(grown)):
-            self.spares_owed += len(grown) - self.generation.world_size
-            self._publish(Generation(number=self.generation.number + 1, members=grown, reason="grow"))
+        for spare in ready[: size - len(grown)]:
+            grown[spare] = len(grown)
+        self.spares_owed += size - self.generation.world_size
+        self._publish(Generation(number=self.generation.number + 1, members=grown, reason="grow"))
+
+    def _largest_size(self, at_most: int) -> int:
+        """The largest world size up to `at_most` that the job can run at (0: none)."""
+        return max((size for size in range(1, at_most + 1) if self._can_run_at(size)), default=0)
 
     def _start_owed_spares(self) -> None:
         """Replace promoted spares once the recovery is over, so the new spare does not slow it down."""

@@ -25,7 +25,7 @@ from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
 from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.replica import Removed, Replica, StopRequested
+from ckptless_core.replica import Replica, StopRequested
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
@@ -206,9 +206,6 @@ def main(config_path: str | None = None) -> int:
             fault_tolerant=job.ft.mode == "ckptless",
         )
         train(job, replica, run_dir=run_dir, events=events)
-    except Removed as removed:
-        events.emit("worker_removed", reason=str(removed))
-        return 0
     except Exception as error:  # noqa: BLE001 - any failure is reported, then the supervisor decides
         traceback.print_exc()
         events.emit("worker_error", error=f"{type(error).__name__}: {error}")

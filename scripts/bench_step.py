@@ -190,6 +190,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="launcher/bare pairs, alternated")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="first steps of each run left out of the median")
+    parser.add_argument(
+        "--ft",
+        choices=("ckptless", "none"),
+        default="ckptless",
+        help="the launcher's fault tolerance (ckptless: heartbeats, a hot spare, replica checks)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "bench_step.json")
     parser.add_argument("--bare", type=Path, metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,6 +216,7 @@ def main() -> int:
         "cluster.threads_per_worker=1",
         f"trainer.max_steps={args.steps}",
         "trainer.log_every=1",
+        f"ft={args.ft}",
     ]
     job = compose_job(overrides).job
     work_dir = args.out.with_suffix("")
@@ -242,7 +249,13 @@ def main() -> int:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": args.recipe,
-        "settings": {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "env": BENCH_ENV},
+        "settings": {
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "ft": args.ft,
+            "env": BENCH_ENV,
+        },
         "tokens_per_step": tokens_per_step,
         "target_overhead": TARGET_OVERHEAD,
         "versions": {

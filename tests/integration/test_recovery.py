@@ -244,3 +244,32 @@ def test_with_no_healthy_replica_left_recovery_falls_back_to_the_disk_checkpoint
     fallbacks = [e for e in read_events(run_dir / "events") if e["event"] == "checkpoint_fallback"]
     assert fallbacks and all(e["step"] == 10 for e in fallbacks)
     assert "loaded the latest disk checkpoint" in proc.stdout
+
+
+def test_a_shrunken_job_grows_back_when_a_new_spare_is_ready(run, fault_free):
+    # The spare replaces the first victim; the second kill comes before the next spare is ready: the job
+    # shrinks to one worker, then takes the new spare back. 2 -> 1 -> 2 with the micro-batch kept: same bits.
+    proc, run_dir = run(
+        "grow", *TWO, "fault=kill_worker", "fault.step=8", "fault.more=[{kind:kill_worker,rank:1,step:9}]"
+    )
+    assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=2)
+    reasons = [e["reason"] for e in read_events(run_dir / "events") if e["event"] == "generation_started"]
+    assert reasons[:3] == ["start", "failure", "failure"] and "grow" in reasons
+    assert read_summary(run_dir)["final_world_size"] == 2
+
+
+def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_free):
+    fault_free(FOUR)
+    proc, run_dir = run(
+        "shrink-4-2",
+        *FOUR,
+        "ft.spares=0",
+        "fault=two_kills",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_worker,rank:2,step:{FAULT_STEP}}}]",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["final_world_size"] == 2 and summary["steps"] == STEPS
+    reference = [r for r in (run_dir.parent).glob("reference-*") if read_summary(r)["world_size"] == 4]
+    assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)
