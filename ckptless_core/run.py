@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from ckptless_core.faults import KINDS, FaultEvent
-from ckptless_core.supervisor import FaultToleranceSpec, JobSpec, Supervisor
+from ckptless_core.job import FaultToleranceSpec, JobSpec
+from ckptless_core.supervisor import Supervisor
 
 
 def run_script() -> int:

@@ -6,7 +6,8 @@ import signal
 import time
 from pathlib import Path
 
-from ckptless_core.supervisor import FaultToleranceSpec, JobOutcome, JobSpec, Supervisor, start_fork_server
+from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
+from ckptless_core.supervisor import Supervisor, start_fork_server
 from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress

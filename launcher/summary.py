@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ckptless_core.events import read_events
-from ckptless_core.supervisor import JobOutcome
+from ckptless_core.job import JobOutcome
 
 
 def build_summary(

@@ -213,8 +213,10 @@ def test_nothing_leaks_over_twenty_recoveries(launch, tmp_path):
         # After the first recoveries warm up, open files and threads stay flat.
         assert {p["open_files"] for p in phases[5:]} == {phases[5]["open_files"]}, worker
         assert {p["threads"] for p in phases[5:]} == {phases[5]["threads"]}, worker
+    # Each generation's process group writes ~10 keys; the supervisor deletes old generations' keys, so the
+    # count stays flat (up to a worker's one-off report key appearing).
     store_keys = [e["store_keys"] for e in events if e["event"] == "generation_started"]
-    assert len(store_keys) == 21 and max(store_keys[5:]) == min(store_keys[5:])
+    assert len(store_keys) == 21 and max(store_keys[5:]) - min(store_keys[5:]) <= 2
 
 
 def test_silent_corruption_is_caught_by_the_replica_check_and_repaired(run):
@@ -246,16 +248,26 @@ def test_with_no_healthy_replica_left_recovery_falls_back_to_the_disk_checkpoint
     assert "loaded the latest disk checkpoint" in proc.stdout
 
 
-def test_a_shrunken_job_grows_back_when_a_new_spare_is_ready(run, fault_free):
-    # The spare replaces the first victim; the second kill comes before the next spare is ready: the job
-    # shrinks to one worker, then takes the new spare back. 2 -> 1 -> 2 with the micro-batch kept: same bits.
-    proc, run_dir = run(
-        "grow", *TWO, "fault=kill_worker", "fault.step=8", "fault.more=[{kind:kill_worker,rank:1,step:9}]"
+def test_a_shrunken_job_grows_back_when_a_new_spare_is_ready(launch, tmp_path):
+    # Kills in quick succession: the spare replaces the first victim; a later kill comes before the next spare
+    # is ready, so the job shrinks to one worker, then takes the new spare back (2 -> 1 -> 2 keeps the bits).
+    # Longer than the other cases, so the new spare has time to start and the job to grow before the end.
+    common = ("recipe=tiny_llama", "trainer.max_steps=60", "trainer.print_every=100", *TWO)
+    reference = launch(*common, "ft.spares=0", f"run.dir={tmp_path / 'reference'}")
+    proc = launch(
+        *common,
+        "fault=kill_worker",
+        "fault.step=8",
+        "fault.more=[{kind:kill_worker,rank:1,step:9},{kind:kill_worker,rank:1,step:10}]",
+        f"run.dir={tmp_path / 'grow'}",
     )
-    assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=2)
-    reasons = [e["reason"] for e in read_events(run_dir / "events") if e["event"] == "generation_started"]
-    assert reasons[:3] == ["start", "failure", "failure"] and "grow" in reasons
-    assert read_summary(run_dir)["final_world_size"] == 2
+    assert reference.returncode == 0 and proc.returncode == 0, proc.stdout[-3000:]
+    summary = read_summary(tmp_path / "grow")
+    assert summary["param_sha256"] == read_summary(tmp_path / "reference")["param_sha256"]
+    events = read_events(tmp_path / "grow" / "events")
+    reasons = [e["reason"] for e in events if e["event"] == "generation_started"]
+    assert any(e["event"] == "job_shrunk" for e in events) and "grow" in reasons
+    assert summary["final_world_size"] == 2
 
 
 def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_free):
