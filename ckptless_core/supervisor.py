@@ -77,7 +77,8 @@ class Supervisor:
         for _ in range(self.ft.spares if self.ft.enabled else 0):
             self._start_worker(spare=True)
 
-    def _start_worker(self, *, spare: bool) -> str:
+    def _start_worker(self, *, spare: bool, background: bool = False) -> str:
+        """Fork a worker (or spare); a `background` spare builds at low priority, not to slow the job."""
         name = f"worker{self.next_worker_id}"
         self.next_worker_id += 1
         log_path = self.spec.run_dir / "logs" / f"{name}.log"
@@ -90,7 +91,7 @@ class Supervisor:
                 "log_path": str(log_path),
                 "threads": self.spec.threads_per_worker,
                 "supervisor_pid": os.getpid(),
-                "nice": 10 if spare and self.generation.number > 1 else 0,
+                "nice": 10 if background else 0,
             },
             name=name,
             daemon=False,
@@ -321,7 +322,7 @@ class Supervisor:
         """Replace promoted spares once the recovery is over, so the new spare does not slow it down."""
         while self.spares_owed and not self._recovering():
             self.spares_owed -= 1
-            self._start_worker(spare=True)
+            self._start_worker(spare=True, background=True)
 
     def _replace_lost_spares(self) -> None:
         for name, worker in self.workers.items():

@@ -285,3 +285,14 @@ def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_fre
     assert summary["final_world_size"] == 2 and summary["steps"] == STEPS
     reference = [r for r in (run_dir.parent).glob("reference-*") if read_summary(r)["world_size"] == 4]
     assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)
+
+
+def test_with_on_no_spare_wait_the_job_waits_for_a_replacement(run, fault_free):
+    proc, run_dir = run(
+        "wait", *TWO, "ft.spares=0", "ft.on_no_spare=wait", "fault=kill_worker", f"fault.step={FAULT_STEP}"
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert summary["final_world_size"] == 2
+    events = read_events(run_dir / "events")
+    assert not any(e["event"] == "job_shrunk" for e in events)
+    assert any(e["event"] == "spare_promoted" for e in events)
