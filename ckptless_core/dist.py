@@ -26,6 +26,8 @@ class WorkerEnv:
     """Stable worker name for logs and events (e.g. `worker1`)."""
     spare: bool = False
     """Started as a hot spare: it holds a model skeleton, not the training state, until it receives one."""
+    supervised: bool = False
+    """Started by a ckptless supervisor (membership from its store); else by torchrun or by hand."""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv:
@@ -43,6 +45,7 @@ class WorkerEnv:
             master_port=int(os.environ["MASTER_PORT"]),
             worker=os.environ.get("CKPTLESS_WORKER", f"worker{rank}"),
             spare=os.environ.get("CKPTLESS_SPARE") == "1",
+            supervised=os.environ.get("CKPTLESS_SUPERVISED") == "1",
         )
 
 

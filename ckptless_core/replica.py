@@ -14,6 +14,7 @@ valid state goes to ranks that lack it), replay (the interrupted step runs again
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -82,6 +83,8 @@ class Replica:
             timeout=timedelta(seconds=max(collective_timeout_s, recovery_timeout_s)),
             wait_for_workers=False,
         )
+        if fault_tolerant and not env.supervised:
+            raise ValueError("fault tolerance needs the ckptless supervisor (python -m launcher, or ckptless_core.run)")
         self.heartbeat = Heartbeat(self.store, worker=env.worker, interval_s=heartbeat_interval_s)
         if fault_tolerant:
             self.heartbeat.start()
@@ -102,8 +105,6 @@ class Replica:
     def from_environ(cls, *, collective_timeout_s: float = 60.0, check_every: int = 0) -> Replica:
         """For a script started by `python -m ckptless_core.run`: identity, store and run directory from the
         environment; events go to `<run dir>/events/<worker>.jsonl`."""
-        import os
-
         env = WorkerEnv.from_environ()
         run_dir = Path(os.environ.get("CKPTLESS_RUN_DIR", "."))
         return cls(
@@ -113,7 +114,7 @@ class Replica:
             recovery_timeout_s=60.0,
             heartbeat_interval_s=0.5,
             events=EventLog(run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker),
-            fault_tolerant=os.environ.get("CKPTLESS_FT", "1") == "1",
+            fault_tolerant=env.supervised and os.environ.get("CKPTLESS_FT", "1") == "1",
             check_every=check_every,
         )
 
@@ -133,7 +134,10 @@ class Replica:
         """Announce readiness; spares wait here (heartbeating) until a generation names them; then join it."""
         report(self.store, "ready", self.env.worker)
         self.events.emit("worker_ready")
-        generation = self._wait_for_membership(newer_than=0, timeout_s=None)
+        if self.env.supervised:
+            generation = self._wait_for_membership(newer_than=0, timeout_s=None)
+        else:
+            generation = self._standalone_generation()
         # A promoted spare holds a skeleton, not the state; the workers started with the job hold it (same seed,
         # or the same resumed checkpoint) even if a failure moved the job past generation 1 while they started.
         self.valid = not self.env.spare
@@ -338,6 +342,13 @@ class Replica:
         dist.barrier()
         return TransferResult(step=self.step, source=-1, receivers=(self.rank,), bytes_moved=0)
 
+    def _standalone_generation(self) -> Generation:
+        """Started by torchrun or by hand, without a ckptless supervisor: membership comes from RANK and
+        WORLD_SIZE, and each torchrun restart attempt gets a store namespace of its own."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        members = {f"worker{rank}": rank for rank in range(self.env.world_size)}
+        return Generation(number=1 + attempt, members=members, reason="start")
+
     def _rendezvous(self, generation: Generation) -> None:
         """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation
         exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
@@ -345,7 +356,7 @@ class Replica:
         self.store.add(prefix, 1)
         deadline = time.monotonic() + self.recovery_timeout_s
         while int(self.store.add(prefix, 0)) < generation.world_size:
-            if current_generation_number(self.store) != generation.number:
+            if self.env.supervised and current_generation_number(self.store) != generation.number:
                 raise GenerationChanged(f"generation {generation.number} was superseded while forming")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {generation.number} did not form within {self.recovery_timeout_s} s")

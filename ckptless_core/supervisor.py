@@ -112,6 +112,7 @@ class Supervisor:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.store.port),
             "CKPTLESS_WORKER": name,
+            "CKPTLESS_SUPERVISED": "1",
             "CKPTLESS_RUN_DIR": str(self.spec.run_dir),
             "OMP_NUM_THREADS": str(self.spec.threads_per_worker),
         }

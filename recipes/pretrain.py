@@ -1,7 +1,8 @@
 """The pretraining entry point: one data-parallel worker (or hot spare) of a causal-LM pretraining job.
 
 Started by the launcher's supervisor (forked from a pre-imported parent, environment set); it reads
-`<run_dir>/config.yaml`, joins the supervisor's store and trains. Everything fault tolerance needs is behind the
+`<run_dir>/config.yaml`, joins the supervisor's store and trains. It also runs under torchrun (plain data
+parallelism, no recovery), e.g. `CKPTLESS_RUN_DIR=<run_dir> torchrun --nproc-per-node 2 -m recipes.pretrain`. Everything fault tolerance needs is behind the
 `Replica`: the loop below only runs steps through it.
 """
 
@@ -203,7 +204,7 @@ def main(config_path: str | None = None) -> int:
             heartbeat_interval_s=job.ft.heartbeat_interval_s,
             check_every=job.ft.check_every,
             events=events,
-            fault_tolerant=job.ft.mode == "ckptless",
+            fault_tolerant=job.ft.mode == "ckptless" and env.supervised,
         )
         train(job, replica, run_dir=run_dir, events=events)
     except Exception as error:  # noqa: BLE001 - any failure is reported, then the supervisor decides

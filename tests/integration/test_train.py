@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from ckptless_core.events import read_events
 from ckptless_core.state_hash import param_sha256
 from tests.conftest import read_metrics, read_summary
 
@@ -88,3 +92,29 @@ def test_bf16_autocast_trains(launch, tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 5 and metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+def test_the_worker_entry_point_also_runs_under_torchrun(short_two_workers, tmp_path, token_cache):
+    """Plain data parallelism without the ckptless supervisor: the same worker, the same bits."""
+    _, reference_dir = short_two_workers
+    (tmp_path / "config.yaml").write_text((reference_dir / "config.yaml").read_text())
+    env = {**os.environ, "CKPTLESS_RUN_DIR": str(tmp_path), "CKPTLESS_CACHE": str(token_cache)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "recipes.pretrain",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ends = [e for e in read_events(tmp_path / "events") if e["event"] == "train_end"]
+    assert {e["param_sha256"] for e in ends} == {read_summary(reference_dir)["param_sha256"]}
