@@ -152,14 +152,13 @@ class Supervisor:
         failures = self._detect_failures(codes)
         if failures:
             if not self.ft.enabled:
-                name, failure = next(iter(failures.items()))
+                time.sleep(self.ft.settle_s)  # let failures that happen together all surface before reporting
+                failures = self._detect_failures({n: self.workers[n].process.exitcode for n in members})
                 self.stop()
-                return JobOutcome(
-                    ok=False,
-                    exit_codes=self._exit_codes(),
-                    message=f"{name} failed ({failure['detail']})",
-                    reason="failed",
-                )
+                # A worker killed by a signal is the likely cause; peers that then exited with an error follow.
+                ordered = sorted(failures.items(), key=lambda kv: not kv[1]["detail"].startswith("killed"))
+                message = "; ".join(f"{name} failed ({failure['detail']})" for name, failure in ordered)
+                return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="failed")
             outcome = self._recover_from(failures)
             if outcome is not None:
                 return outcome
