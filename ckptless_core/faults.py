@@ -91,7 +91,8 @@ class FaultInjector:
             target = self._target(
                 event, by_rank=by_rank, progress=progress, spares=spares, recovering=recovering, sender=sender
             )
-            if target is not None:
+            # One strike per worker per look: two due at once (the supervisor looked late) would merge into one.
+            if target is not None and all(strike.worker != target for strike in strikes):
                 self.pending.remove(event)
                 strikes.append(Strike(event=event, worker=target, signum=SIGNALS[event.kind]))
         for event, rng in self.chaos:
