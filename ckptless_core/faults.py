@@ -73,6 +73,13 @@ class FaultInjector:
         self.chaos_next = {id(e): start_time + rng.expovariate(1.0 / e.mtbf_s) for e, rng in self.chaos}
         self.chaos_count = {id(e): 0 for e, _ in self.chaos}
 
+    @property
+    def active(self) -> bool:
+        """Whether any fault may still strike."""
+        return bool(self.pending) or any(
+            not e.max_faults or self.chaos_count[id(e)] < e.max_faults for e, _ in self.chaos
+        )
+
     def due(
         self,
         *,

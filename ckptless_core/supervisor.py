@@ -332,13 +332,16 @@ class Supervisor:
                 self.spares_owed += 1
 
     def _inject_faults(self) -> None:
+        if not self.injector.active:
+            return  # no store reads on every poll of a run without faults
         recovering = self._recovering()
         sources = read_reports(self.store, "source", list(self.generation.members))
         sender = next((n for n, r in sources.items() if r.get("generation") == self.generation.number), None)
+        progress = self._progress()
         strikes = self.injector.due(
             now=time.time(),
             members=self.generation.members,
-            progress=self._progress(),
+            progress=progress,
             spares=self._spares(),
             recovering=recovering,
             sender=sender,
@@ -353,7 +356,7 @@ class Supervisor:
                 worker_name=strike.worker,
                 target_rank=self.generation.members.get(strike.worker),
                 signal=signal.Signals(strike.signum).name,
-                step=self._progress().get(strike.worker, 0) + 1,
+                step=progress.get(strike.worker, 0) + 1,
                 generation=self.generation.number,
             )
 
