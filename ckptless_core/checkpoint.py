@@ -1,15 +1,17 @@
-"""Periodic disk checkpoints for audit and disaster recovery, written in the background.
+"""Disk checkpoints: safetensors files carrying the step and the state checksum (checked again on load),
+written under a temporary name and renamed, so a crash never leaves a half file that looks complete.
 
-Routine failures never need them (peers hold the state); they serve when no healthy replica is left, when a job
-lost as a whole resumes (`resume=<run dir>`), and on preemption. Training waits only for the copy to memory; a
-thread writes the safetensors file (temporary name, then an atomic rename), so a crash never leaves a half file
-that looks complete. The file carries the step and the state checksum, checked again when it is loaded.
+With checkpointless recovery routine failures never need them (peers hold the state): they are written in the
+background (training waits only for the copy to memory) and serve when no healthy replica is left, when a job lost
+as a whole resumes (`resume=<run dir>`), and on preemption. The checkpoint-restart baseline writes them in the
+foreground, as most training loops do, and reloads the latest on every restart.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -21,32 +23,45 @@ from ckptless_core.transfer import checksum, layout_fingerprint
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, *, events: EventLog) -> None:
+    def __init__(self, directory: Path, *, events: EventLog, background: bool = True) -> None:
         self.directory = directory
         self.events = events
+        self.background = background
+        """Write in a thread (training waits only for the copy to memory); else training waits for the file."""
         self.writer: threading.Thread | None = None
 
-    def save_async(self, tensors: dict[str, torch.Tensor], *, step: int) -> None:
-        """Snapshot `tensors` to CPU memory now; write them in the background (one write at a time)."""
+    def save(self, tensors: dict[str, torch.Tensor], *, step: int) -> float:
+        """Checkpoint `tensors` at `step`, in the background or not (see `background`); returns the seconds
+        training was blocked."""
+        if not self.background:
+            return self.save_now(tensors, step=step)
+        started = time.perf_counter()
         self.wait()
         snapshot = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-        self.writer = threading.Thread(target=self._write, args=(snapshot, step), name="checkpoint", daemon=True)
+        blocked_s = time.perf_counter() - started
+        self.writer = threading.Thread(
+            target=self._write, args=(snapshot, step, blocked_s), name="checkpoint", daemon=True
+        )
         self.writer.start()
+        return blocked_s
 
-    def save(self, tensors: dict[str, torch.Tensor], *, step: int) -> Path:
-        """Write now and return the file (a final checkpoint on preemption)."""
+    def save_now(self, tensors: dict[str, torch.Tensor], *, step: int) -> float:
+        """Write now (a final checkpoint on preemption, or a write whose cost is measured); returns its seconds."""
+        started = time.perf_counter()
         self.wait()
-        return self._write({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, step)
+        snapshot = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        self._write(snapshot, step, blocked_s=None, started=started)
+        return time.perf_counter() - started
 
     def wait(self, timeout_s: float = 600.0) -> None:
         if self.writer is not None:
             self.writer.join(timeout=timeout_s)
             self.writer = None
 
-    def _write(self, snapshot: dict[str, torch.Tensor], step: int) -> Path:
-        import time
-
-        started = time.time()
+    def _write(
+        self, snapshot: dict[str, torch.Tensor], step: int, blocked_s: float | None, started: float | None = None
+    ) -> None:
+        started = time.perf_counter() if started is None else started
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"step_{step:08d}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
@@ -57,10 +72,15 @@ class Checkpointer:
         }
         save_file(snapshot, str(tmp), metadata=metadata)
         os.replace(tmp, path)
+        duration_s = time.perf_counter() - started
         self.events.emit(
-            "checkpoint_written", step=step, path=str(path), bytes=path.stat().st_size, duration_s=time.time() - started
+            "checkpoint_written",
+            step=step,
+            path=str(path),
+            bytes=path.stat().st_size,
+            duration_s=duration_s,
+            blocked_s=duration_s if blocked_s is None else blocked_s,
         )
-        return path
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

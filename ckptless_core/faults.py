@@ -5,8 +5,9 @@ Kinds: `kill_worker` (SIGKILL), `hang` (SIGSTOP: only missing heartbeats reveal 
 the worker turns into an error raised inside the model's forward at its next call: a signal handler cannot
 interrupt native code), `corrupt` (SIGUSR2: the worker silently perturbs one parameter, as a bit flip would; the
 replicas' periodic checksum comparison must catch it), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a member while the next
-generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random member at exponential
-intervals with mean `mtbf_s`, seeded).
+generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random rank at exponential
+intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same schedule in every
+ft mode).
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ class FaultInjector:
     """Decides, from what the supervisor observes, when each fault event strikes and whom. Each event fires once
     (chaos: repeatedly), so a replayed step is not struck again."""
 
-    def __init__(self, events: list[FaultEvent], *, start_time: float) -> None:
+    def __init__(self, events: list[FaultEvent]) -> None:
         self.pending = [e for e in events if e.kind != "chaos"]
         self.chaos = [(e, random.Random(e.seed)) for e in events if e.kind == "chaos"]
-        self.chaos_next = {id(e): start_time + rng.expovariate(1.0 / e.mtbf_s) for e, rng in self.chaos}
+        self.chaos_next: dict[int, float] = {}
+        """When each chaos event strikes next; its clock starts once training has committed a step."""
         self.chaos_count = {id(e): 0 for e, _ in self.chaos}
 
     @property
@@ -90,8 +92,9 @@ class FaultInjector:
         recovering: bool,
         sender: str | None,
     ) -> list[Strike]:
-        """Strikes to deliver now. `progress`: committed step per member; `recovering`: a new generation is
-        forming; `sender`: the worker announced as the state source of the forming generation."""
+        """Strikes to deliver now. `members`: worker per rank, every rank present (else chaos waits);
+        `progress`: committed step per member; `recovering`: a new generation is forming; `sender`: the worker
+        announced as the state source of the forming generation."""
         by_rank = {rank: worker for worker, rank in members.items()}
         strikes = []
         for event in list(self.pending):
@@ -102,12 +105,16 @@ class FaultInjector:
             if target is not None and all(strike.worker != target for strike in strikes):
                 self.pending.remove(event)
                 strikes.append(Strike(event=event, worker=target, signum=SIGNALS[event.kind]))
+        if not self.chaos_next and max(progress.values(), default=0) >= 1:
+            self.chaos_next = {id(e): now + rng.expovariate(1.0 / e.mtbf_s) for e, rng in self.chaos}
         for event, rng in self.chaos:
             limit_reached = event.max_faults and self.chaos_count[id(event)] >= event.max_faults
-            if now >= self.chaos_next[id(event)] and members and not limit_reached:
+            if id(event) in self.chaos_next and now >= self.chaos_next[id(event)] and members and not limit_reached:
                 self.chaos_next[id(event)] = now + rng.expovariate(1.0 / event.mtbf_s)
                 self.chaos_count[id(event)] += 1
-                strikes.append(Strike(event=event, worker=rng.choice(sorted(members)), signum=signal.SIGKILL))
+                # A rank, not a worker name, is drawn: the same seed strikes the same ranks in every ft mode.
+                target = by_rank[rng.randrange(len(by_rank))]
+                strikes.append(Strike(event=event, worker=target, signum=signal.SIGKILL))
         return strikes
 
     @staticmethod

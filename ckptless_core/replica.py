@@ -305,7 +305,8 @@ class Replica:
             raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from None
         self.step, self.valid = result.step, True
         synced_at = time.time()
-        if generation.number > 1:
+        # Under torchrun a later generation is a restarted job, not a recovery: the launcher reports those.
+        if generation.number > 1 and self.env.supervised:
             self._phase("rebuild", started_at=seen_at, ended_at=rebuilt_at, detected_at=detected_at)
             self._phase(
                 "transfer",

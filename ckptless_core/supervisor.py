@@ -48,13 +48,9 @@ class Supervisor:
         self.spares_owed = 0
         self.failures_without_progress = 0
         self.progress_at_last_failure = -1
-        self.injector = FaultInjector(spec.faults, start_time=time.time())
+        self.injector = FaultInjector(spec.faults)
         self.injected_at: dict[str, float] = {}
         self.context = None
-
-    @property
-    def processes(self) -> dict[str, multiprocessing.process.BaseProcess]:
-        return {name: w.process for name, w in self.workers.items()}
 
     @property
     def master_addr(self) -> str:
@@ -148,7 +144,7 @@ class Supervisor:
         if codes and all(code == 0 for code in codes.values()):
             self.events.emit("job_completed", generation=self.generation.number)
             self._stop_spares()
-            return JobOutcome(ok=True, exit_codes=self._exit_codes(), message="all workers completed")
+            return JobOutcome(ok=True, exit_codes=self.exit_codes(), message="all workers completed")
         failures = self._detect_failures(codes)
         if failures:
             if not self.ft.enabled:
@@ -158,7 +154,7 @@ class Supervisor:
                 # A worker killed by a signal is the likely cause; peers that then exited with an error follow.
                 ordered = sorted(failures.items(), key=lambda kv: not kv[1]["detail"].startswith("killed"))
                 message = "; ".join(f"{name} failed ({failure['detail']})" for name, failure in ordered)
-                return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="failed")
+                return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
             outcome = self._recover_from(failures)
             if outcome is not None:
                 return outcome
@@ -248,7 +244,7 @@ class Supervisor:
             )
             self.events.emit("job_abandoned", reason="no_progress", message=message)
             self.stop()
-            return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="no_progress")
+            return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="no_progress")
         members = dict(self.generation.members)
         vacant = sorted(members.pop(name) for name, f in failures.items() if f["lost"])
         for name, failure in failures.items():
@@ -268,7 +264,7 @@ class Supervisor:
                 message = f"no spare left to replace rank(s) {vacant} (ft.on_no_spare={self.ft.on_no_spare})"
                 self.events.emit("job_abandoned", reason="no_spare", message=message)
                 self.stop()
-                return JobOutcome(ok=False, exit_codes=self._exit_codes(), message=message, reason="failed")
+                return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
             if self.ft.on_no_spare == "wait":
                 return self._wait_for_spares(members, vacant)
             # Keep the lowest ranks at the largest size the global batch allows; the rest wait as spares.
@@ -295,7 +291,7 @@ class Supervisor:
         self.stop()
         return JobOutcome(
             ok=False,
-            exit_codes=self._exit_codes(),
+            exit_codes=self.exit_codes(),
             reason="failed",
             message=f"no replacement became ready within {self.spec.store_timeout_s:.0f} s",
         )
@@ -388,7 +384,7 @@ class Supervisor:
     def _can_run_at(self, world_size: int) -> bool:
         return world_size >= 1 and (not self.ft.world_sizes or world_size in self.ft.world_sizes)
 
-    def _exit_codes(self) -> dict[str, int | None]:
+    def exit_codes(self) -> dict[str, int | None]:
         return {name: w.process.exitcode for name, w in self.workers.items()}
 
     def _stop_spares(self) -> None:

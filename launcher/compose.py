@@ -95,14 +95,20 @@ def validate(job: JobConfig) -> None:
 
 def validate_fault_tolerance(job: JobConfig) -> None:
     ft = job.ft
-    if ft.mode not in ("ckptless", "none"):
-        raise ConfigError(f"ft.mode={ft.mode!r}: choose ft=ckptless or ft=none")
+    if ft.mode not in ("ckptless", "checkpoint_restart", "none"):
+        raise ConfigError(f"ft.mode={ft.mode!r}: choose ft=ckptless, ft=checkpoint_restart or ft=none")
     if ft.on_no_spare not in ("shrink", "wait", "fail"):
         raise ConfigError(f"ft.on_no_spare={ft.on_no_spare!r}: choose shrink, wait or fail")
-    if min(ft.spares, ft.max_failures_without_progress, ft.checkpoint_every, ft.check_every) < 0:
+    if ft.checkpoint_every != "auto" and not (isinstance(ft.checkpoint_every, int) and ft.checkpoint_every >= 0):
+        raise ConfigError(f"ft.checkpoint_every={ft.checkpoint_every!r}: give a number of steps (0: none) or auto")
+    if min(ft.spares, ft.max_failures_without_progress, ft.check_every, ft.max_restarts) < 0:
         raise ConfigError(
-            "ft.spares, ft.max_failures_without_progress, ft.checkpoint_every and ft.check_every must be 0 or more"
+            "ft.spares, ft.max_failures_without_progress, ft.check_every and ft.max_restarts must be 0 or more"
         )
+    if ft.mtbf_s <= 0:
+        raise ConfigError(f"ft.mtbf_s={ft.mtbf_s} must be positive (the job's expected time between failures)")
+    if ft.mode == "checkpoint_restart":
+        _validate_checkpoint_restart(job)
     if min(ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s) <= 0:
         raise ConfigError("ft.heartbeat_interval_s, ft.heartbeat_timeout_s and ft.recovery_timeout_s must be positive")
     if ft.heartbeat_timeout_s <= 2 * ft.heartbeat_interval_s:
@@ -114,6 +120,24 @@ def validate_fault_tolerance(job: JobConfig) -> None:
             raise ConfigError(f"fault: {error} (trainer.max_steps={job.trainer.max_steps})") from None
         if event.kind not in ("chaos", "kill_sender", "kill_spare") and not 0 <= event.rank < job.cluster.nproc:
             raise ConfigError(f"fault.rank={event.rank} is not a rank of this job (cluster.nproc={job.cluster.nproc})")
+
+
+def _validate_checkpoint_restart(job: JobConfig) -> None:
+    """The baseline has no spares and no supervisor in the workers' loop: only faults that exist without them."""
+    if job.ft.spares:
+        raise ConfigError(
+            f"ft.spares={job.ft.spares}: hot spares are part of ft=ckptless; ft=checkpoint_restart restarts every "
+            "worker instead (set ft.spares=0)"
+        )
+    if job.ft.checkpoint_every == 0:
+        raise ConfigError("ft=checkpoint_restart recovers from disk checkpoints: set ft.checkpoint_every to auto or N")
+    allowed = ("kill_worker", "exception", "hang", "chaos")
+    for event in job.fault.events():
+        if event.kind not in allowed:
+            raise ConfigError(
+                f"fault kind {event.kind!r} needs spares or a recovery in progress, which ft=checkpoint_restart does "
+                f"not have; choose one of {list(allowed)}"
+            )
 
 
 def available_options() -> dict[str, list[str]]:

@@ -1,4 +1,5 @@
-"""The local cluster backend: hands the job to a `ckptless_core` supervisor on this machine and reports."""
+"""The local cluster backend: hands the job to a `ckptless_core` supervisor (or, for the checkpoint-restart
+baseline, to torchrun) on this machine, and reports."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import signal
 import time
 from pathlib import Path
 
+from ckptless_core.events import read_events
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
 from ckptless_core.supervisor import Supervisor, start_fork_server
 from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK
+from launcher.goodput import report_from_events
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
+from launcher.report import short_form
 from launcher.summary import build_summary, describe_recoveries, write_summary
+from launcher.torchrun import TorchrunJob
 from recipes.pretrain import worker_preload
 from recipes.schema import JobConfig
 
@@ -20,23 +25,30 @@ ENTRY = "recipes.pretrain:main"
 
 def warm_up_workers(job: JobConfig) -> None:
     """Start the fork server now: its imports (torch, transformers, the model's code) overlap the launcher's
-    own checks, and every worker forked from it later starts without paying for them."""
-    start_fork_server(worker_preload(job))
+    own checks, and every worker forked from it later starts without paying for them. (torchrun, for the
+    checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of what it is measured on.)"""
+    if job.ft.mode != "checkpoint_restart":
+        start_fork_server(worker_preload(job))
 
 
 def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) -> int:
+    """Run the job on this machine: under the ckptless supervisor, or under torchrun for `ft=checkpoint_restart`."""
     threads = threads_per_worker(job)
-    spec = JobSpec(
-        entry=ENTRY,
-        nproc=job.cluster.nproc,
-        run_dir=run_dir,
-        preload=worker_preload(job),
-        threads_per_worker=threads,
-        store_timeout_s=job.cluster.start_timeout_s,
-        ft=fault_tolerance_spec(job),
-        faults=job.fault.events(),
-    )
-    supervisor = Supervisor(spec)
+    if job.ft.mode == "checkpoint_restart":
+        supervisor = TorchrunJob(job, run_dir=run_dir, threads_per_worker=threads)
+    else:
+        supervisor = Supervisor(
+            JobSpec(
+                entry=ENTRY,
+                nproc=job.cluster.nproc,
+                run_dir=run_dir,
+                preload=worker_preload(job),
+                threads_per_worker=threads,
+                store_timeout_s=job.cluster.start_timeout_s,
+                ft=fault_tolerance_spec(job),
+                faults=job.fault.events(),
+            )
+        )
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
@@ -52,18 +64,29 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
         supervisor.close()
         progress.close()
         signal.signal(signal.SIGTERM, previous_sigterm)
-    outcome.exit_codes.update({n: p.exitcode for n, p in supervisor.processes.items()})
+    outcome.exit_codes.update(supervisor.exit_codes())
     summary = build_summary(
         run_dir,
         outcome=outcome,
         recipe=recipe,
+        mode=job.ft.mode,
         wall_s=time.time() - started_at,
         world_size=job.cluster.nproc,
         threads_per_worker=threads,
     )
+    if summary["steps"]:
+        report = report_from_events(
+            read_events(run_dir / "events"),
+            mode=job.ft.mode,
+            world_size=job.cluster.nproc,
+            spares=job.ft.spares if job.ft.mode == "ckptless" else 0,
+        )
+        summary["goodput"] = report["goodput"]
     write_summary(run_dir, summary)
     for line in describe_recoveries(summary):
         print(line)
+    if summary["steps"]:
+        print(short_form(report) + f" (details: python -m launcher.report {run_dir})")
     print(_one_line(summary, run_dir), flush=True)
     if interrupted:
         return EXIT_INTERRUPTED
@@ -87,14 +110,16 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
     )
 
 
-def _watch(supervisor: Supervisor, progress: ConsoleProgress, *, deadline: float = float("inf")) -> JobOutcome | None:
+def _watch(
+    supervisor: Supervisor | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
+) -> JobOutcome | None:
     while (outcome := supervisor.poll()) is None and time.monotonic() < deadline:
         progress.update()
         time.sleep(0.05)
     return outcome
 
 
-def _stop_cleanly(supervisor: Supervisor, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+def _stop_cleanly(supervisor: Supervisor | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
     """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
     checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
     print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)

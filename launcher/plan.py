@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from launcher.errors import ConfigError
+from launcher.torchrun import torchrun_command
 from recipes.model import build_model
 from recipes.schema import JobConfig
 
@@ -95,6 +96,9 @@ def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "
     n = job.cluster.nproc
     quoted_dir = shlex.quote(str(run_dir))
     config = shlex.quote(str(run_dir / "config.yaml"))
+    if job.ft.mode == "checkpoint_restart":  # torchrun starts the workers (and restarts them all on a failure)
+        command = shlex.join(["python", *torchrun_command(job, run_dir=run_dir)[1:]])
+        return [f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} {command}"]
     return [
         f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
         f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.pretrain {config}"

@@ -14,7 +14,14 @@ from ckptless_core.job import JobOutcome
 
 
 def build_summary(
-    run_dir: Path, *, outcome: JobOutcome, recipe: str, wall_s: float, world_size: int, threads_per_worker: int
+    run_dir: Path,
+    *,
+    outcome: JobOutcome,
+    recipe: str,
+    mode: str,
+    wall_s: float,
+    world_size: int,
+    threads_per_worker: int,
 ) -> dict:
     events = read_events(run_dir / "events")
     ends = {e["worker"]: e for e in events if e["event"] == "train_end"}
@@ -33,6 +40,7 @@ def build_summary(
         "status": status,
         "message": message,
         "recipe": recipe,
+        "ft_mode": mode,
         "steps": max((e["step"] for e in committed), default=0),
         "final_loss": final.get("final_loss", final.get("loss")),
         "param_sha256": hashes.pop() if len(hashes) == 1 else None,
@@ -40,7 +48,7 @@ def build_summary(
         "world_size": world_size,
         "final_world_size": final.get("world_size", world_size),
         "failures": failures(events),
-        "recoveries": recoveries(events),
+        "recoveries": recoveries(events) if mode != "checkpoint_restart" else restarts(events),
         "exit_codes": outcome.exit_codes,
         "errors": errors,
         "provenance": {
@@ -54,7 +62,23 @@ def build_summary(
 
 
 def failures(events: list[dict]) -> list[dict]:
-    """Each failure the supervisor detected: when, which worker and rank, what kind, how it was seen."""
+    """Each failure detected: when, which worker and rank, what kind, how it was seen (by the ckptless supervisor;
+    under torchrun, from the processes the launcher saw exit)."""
+    if any(e["event"] == "torchrun_started" for e in events):
+        events = with_attempts(events)
+        return [
+            {
+                "t": e["t"],
+                "worker": e["worker_name"],
+                "rank": e["target_rank"],
+                "kind": e.get("kind", "exit"),
+                "detail": "injected" if "kind" in e else "process exited",
+                "detected_by": "torchrun",
+                "step": _last_step(events, attempt=e["attempt"]) + 1,
+                "generation": e["attempt"] + 1,
+            }
+            for e in _restart_causes(events)
+        ]
     return [
         {
             "t": e["t"],
@@ -96,11 +120,87 @@ def recoveries(events: list[dict]) -> list[dict]:
                 "replay_s": max(e["duration_s"] for e in mine["replay"]),
                 "bytes_moved": sum(e["bytes_moved"] for e in mine["transfer"]),
                 "source_rank": mine["transfer"][0]["source"],
+                "redone_steps": detect["interrupted_step"] - 1 - mine["transfer"][0]["step"],
                 "world_size": len(mine["transfer"]),
                 "time_to_recover_s": max(e["t"] for e in mine["replay"]) - detect["failed_at"],
             }
         result.append(entry)
     return result
+
+
+def restarts(events: list[dict]) -> list[dict]:
+    """The checkpoint-restart baseline's recoveries, one per torchrun restart, with the keys of `recoveries`:
+    detect (failure until torchrun stopped the group: the first other worker gone), rebuild (new processes started,
+    imported and initialized), transfer (checkpoint load), replay (redo the steps since the checkpoint until the
+    interrupted step commits again)."""
+    events = with_attempts(events)
+    result = []
+    for cause in _restart_causes(events):
+        attempt = cause["attempt"]
+        exits = [e for e in events if e["event"] == "worker_exited" and e["attempt"] == attempt]
+        others = [e["t"] for e in exits if e["worker_name"] != cause["worker_name"]]
+        detected_at = min(others) if others else max((e["t"] for e in exits), default=cause["t"])
+        interrupted_step = _last_step(events, attempt=attempt) + 1
+        after = [e for e in events if e.get("attempt") == attempt + 1 and e["worker"] != "launcher"]
+        starts = [e for e in after if e["event"] == "train_start"]
+        redo = [e["t"] for e in after if e["event"] == "step_committed" and e["step"] >= interrupted_step]
+        entry = {
+            "generation": attempt + 2,
+            "interrupted_step": interrupted_step,
+            "detect_s": detected_at - cause["t"],
+            "completed": bool(starts and redo),
+        }
+        if entry["completed"]:
+            transfer_s = max((e["duration_s"] for e in after if e["event"] == "checkpoint_loaded"), default=0.0)
+            resumed_at = max(e["t"] for e in starts)
+            entry |= {
+                "rebuild_s": resumed_at - detected_at - transfer_s,
+                "transfer_s": transfer_s,
+                "replay_s": min(redo) - resumed_at,
+                "bytes_moved": 0,
+                "source_rank": -1,
+                "world_size": len(starts),
+                "time_to_recover_s": min(redo) - cause["t"],
+                "loaded_step": starts[0]["step"],
+                "redone_steps": interrupted_step - 1 - starts[0]["step"],
+            }
+        result.append(entry)
+    return result
+
+
+def with_attempts(events: list[dict]) -> list[dict]:
+    """Events (in time order) with each worker's events tagged by its torchrun attempt (the `attempt` of its
+    latest `worker_start`); the launcher's events carry theirs already."""
+    current: dict[str, int] = {}
+    tagged = []
+    for e in events:
+        if e["event"] == "worker_start":
+            current[e["worker"]] = e.get("attempt", 0)
+        if "attempt" not in e and e["worker"] in current:
+            e = {**e, "attempt": current[e["worker"]]}
+        tagged.append(e)
+    return tagged
+
+
+def _restart_causes(events: list[dict]) -> list[dict]:
+    """Per torchrun attempt that was followed by another: the injected fault that ended it, else the first
+    worker the launcher saw exit."""
+    attempts = sorted({e["attempt"] for e in events if e["event"] == "worker_start"})
+    causes = []
+    for attempt in attempts[:-1]:
+        seen = [e for e in events if e["event"] in ("fault_injected", "worker_exited") and e["attempt"] == attempt]
+        injected = [e for e in seen if e["event"] == "fault_injected"]
+        if seen:
+            causes.append((injected or seen)[0])
+    return causes
+
+
+def _last_step(events: list[dict], *, attempt: int) -> int:
+    """The last step committed in a torchrun attempt (or loaded at its start)."""
+    return max(
+        (e["step"] for e in events if e.get("attempt") == attempt and e["event"] in ("train_start", "step_committed")),
+        default=0,
+    )
 
 
 def describe_recoveries(summary: dict) -> list[str]:
@@ -117,15 +217,22 @@ def describe_recoveries(summary: dict) -> list[str]:
                 f"recovered: generation {r['generation']} ({r['world_size']} ranks) back at step "
                 f"{r['interrupted_step']} in {r['time_to_recover_s']:.2f} s (detect {r['detect_s']:.2f}, rebuild "
                 f"{r['rebuild_s']:.2f}, transfer {r['transfer_s']:.2f}, replay {r['replay_s']:.2f} s; "
-                + (
-                    f"{r['bytes_moved'] / 1e6:.1f} MB moved from rank {r['source_rank']})"
-                    if r["source_rank"] >= 0
-                    else "no healthy peer held the state: loaded the latest disk checkpoint)"
-                )
+                + _state_source(r)
             )
         else:
             lines.append(f"recovery to generation {r['generation']} was superseded by another failure")
     return lines
+
+
+def _state_source(recovery: dict) -> str:
+    if "loaded_step" in recovery:
+        return (
+            f"torchrun restarted every worker; checkpoint of step {recovery['loaded_step']} loaded, "
+            f"{recovery['redone_steps']} step(s) redone)"
+        )
+    if recovery["source_rank"] >= 0:
+        return f"{recovery['bytes_moved'] / 1e6:.1f} MB moved from rank {recovery['source_rank']})"
+    return "no healthy peer held the state: loaded the latest disk checkpoint)"
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ckptless_core.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from ckptless_core.checkpoint_schedule import CheckpointSchedule
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
 from ckptless_core.faults import install_fault_handlers
@@ -124,10 +125,11 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     replica.attach(state_tensors(state.model, state.optimizer))
     replica.checkpoint_dir = run_dir / "checkpoints"
-    checkpoints = Checkpointer(replica.checkpoint_dir, events=events) if job.ft.checkpoint_every else None
-    if job.resume is not None:
-        replica.step = load_checkpoint(latest_checkpoint(Path(job.resume) / "checkpoints"), replica.tensors)
-        events.emit("resumed", step=replica.step, from_run=job.resume)
+    checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
+    if (restore_from := _restore_point(job, run_dir)) is not None:
+        started = time.perf_counter()
+        replica.step = load_checkpoint(restore_from, replica.tensors)
+        events.emit("checkpoint_loaded", step=replica.step, path=str(restore_from), duration_s=_since(started))
     replica.start()  # a hot spare waits here, model built, until it is promoted
     metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
@@ -135,10 +137,12 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     start = time.perf_counter()
     result = {"loss": float("nan")}
     try:
+        if checkpoints is not None and replica.rank == 0 and schedule.needs_write_cost:
+            schedule.observe_write(checkpoints.save_now(replica.tensors, step=replica.step))
         while replica.step < job.trainer.max_steps:
             step_start = time.perf_counter()
             result = replica.run_step(lambda step: train_step(state, step, replica=replica, sampler=sampler, job=job))
-            step_s = time.perf_counter() - step_start
+            step_s = _since(step_start)
             events.emit(
                 "step_committed",
                 step=replica.step,
@@ -152,14 +156,16 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
                     **result,
                     tokens_per_s=tokens_per_step / step_s,
                     step_s=step_s,
-                    elapsed_s=time.perf_counter() - start,
+                    elapsed_s=_since(start),
                 )
-                if checkpoints is not None and replica.step % job.ft.checkpoint_every == 0:
-                    checkpoints.save_async(replica.tensors, step=replica.step)
+                if checkpoints is not None:
+                    schedule.observe_step(step_s)
+                    if schedule.due(replica.step):
+                        checkpoints.save(replica.tensors, step=replica.step)
     except StopRequested:
         events.emit("stopped", step=replica.step)
         if checkpoints is not None and replica.rank == 0:
-            checkpoints.save(replica.tensors, step=replica.step)
+            checkpoints.save_now(replica.tensors, step=replica.step)
         return
     finally:
         metrics.close()
@@ -172,6 +178,34 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     events.emit(
         "train_end", step=replica.step, final_loss=result["loss"], param_sha256=digest, world_size=replica.world_size
     )
+
+
+def _checkpointing(
+    job: JobConfig, *, directory: Path, events: EventLog
+) -> tuple[Checkpointer | None, CheckpointSchedule | None]:
+    """Disk checkpoints, if any: in the background for ckptless (a disaster fallback), in the foreground for the
+    checkpoint-restart baseline (its recovery point)."""
+    if not job.ft.checkpoint_every:
+        return None, None
+    background = job.ft.mode != "checkpoint_restart"
+    return (
+        Checkpointer(directory, events=events, background=background),
+        CheckpointSchedule(job.ft.checkpoint_every, mtbf_s=job.ft.mtbf_s, directory=directory, events=events),
+    )
+
+
+def _restore_point(job: JobConfig, run_dir: Path) -> Path | None:
+    """The checkpoint a worker starts from: under checkpoint-restart the latest of this run (after a restart),
+    else the latest of the run named by `resume`, else none."""
+    if job.ft.mode == "checkpoint_restart" and (path := latest_checkpoint(run_dir / "checkpoints")) is not None:
+        return path
+    if job.resume is not None:
+        return latest_checkpoint(Path(job.resume) / "checkpoints")
+    return None
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:
@@ -192,8 +226,13 @@ def main(config_path: str | None = None) -> int:
     env = WorkerEnv.from_environ()
     run_dir = Path(os.environ.get("CKPTLESS_RUN_DIR") or Path(config_path).parent)
     job = load_config(config_path or run_dir / "config.yaml")
-    events = EventLog(run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=None)
-    events.emit("worker_start", pid=os.getpid(), threads=torch.get_num_threads())
+    # Under a ckptless supervisor the rank comes from the generation a worker joins; under torchrun it is fixed.
+    events = EventLog(
+        run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=None if env.supervised else env.rank
+    )
+    # Under torchrun each restart of the worker group is a new attempt, with new processes.
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    events.emit("worker_start", pid=os.getpid(), threads=torch.get_num_threads(), attempt=attempt)
     replica = None
     try:
         replica = Replica(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import OmegaConf
 
@@ -114,7 +114,8 @@ class ClusterConfig:
 @dataclass
 class FtConfig:
     mode: str = "ckptless"
-    """`ckptless` (recover in place from failures) or `none` (plain data parallelism: a failure ends the job)."""
+    """`ckptless` (recover in place from failures), `checkpoint_restart` (the usual baseline: torchrun restarts
+    every worker and reloads the latest disk checkpoint) or `none` (plain data parallelism: a failure ends the job)."""
     spares: int = 1
     """Hot spares kept ready (imported, model built) to replace a failed worker."""
     heartbeat_interval_s: float = 0.5
@@ -127,9 +128,15 @@ class FtConfig:
     """End the job (exit code 4) after this many failures in a row with no step committed in between."""
     recovery_timeout_s: float = 60.0
     """Longest wait for a new generation to form during recovery."""
-    checkpoint_every: int = 0
-    """Write a disk checkpoint every this many steps (asynchronously; training waits only for the copy to
-    memory). Used when no healthy peer holds the state, by `resume=`, and on preemption. 0: no checkpoints."""
+    checkpoint_every: Union[int, str] = 0  # noqa: UP007 - OmegaConf reads `typing.Union`, not `int | str`
+    """Write a disk checkpoint every this many steps; `auto`: the Young-Daly interval sqrt(2 x write cost x
+    `mtbf_s`), from the measured write cost and step time; 0: no checkpoints. In `ckptless` mode they are written in
+    the background and serve when no healthy peer holds the state, `resume=`, and preemption; in
+    `checkpoint_restart` mode training waits for each write and every restart reloads the latest."""
+    mtbf_s: float = 3600.0
+    """Expected mean time between failures of the whole job, for `checkpoint_every=auto`."""
+    max_restarts: int = 10
+    """`checkpoint_restart`: torchrun's `--max-restarts` (restarts of the whole worker group before failing)."""
     check_every: int = 50
     """Every this many steps the replicas compare a checksum of their state; a rank outside the majority (ties:
     the lowest rank wins) is reported as corrupt and repaired from a peer. 0 disables."""

@@ -47,6 +47,9 @@ BAD_INPUTS = {
     "unknown cluster": (["cluster=slurm"], "cluster/slurm"),
     "cluster kind not available yet": (["cluster.kind=kubernetes"], "kubernetes"),
     "model too big for the machine": (["recipe=llama3_8b"], "GiB"),
+    "spares under the checkpoint-restart baseline": (["ft=checkpoint_restart", "ft.spares=1"], "ft.spares=0"),
+    "a fault the baseline cannot have": (["ft=checkpoint_restart", "fault=kill_spare"], "kill_spare"),
+    "checkpoint interval neither steps nor auto": (["ft.checkpoint_every=often"], "ft.checkpoint_every"),
 }
 
 

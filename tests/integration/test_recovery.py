@@ -3,6 +3,10 @@ from the supervisor, and the final parameters are compared bitwise with a run th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from ckptless_core.events import read_events
@@ -176,9 +180,10 @@ def test_without_fault_tolerance_a_kill_ends_the_job(run):
 
 
 def test_chaos_kills_at_random_moments_and_the_run_is_bitwise_unchanged(run, fault_free):
-    # Seed 0, mean 1 s: two kills about 1.9 s into the job, close together (the second may hit the first's victim).
+    # Seed 0, mean 0.5 s: two kills about 0.93 s after the first step, close together (the second may hit the first's
+    # victim).
     proc, run_dir = run(
-        "chaos", *TWO, "ft.spares=2", "fault=chaos", "fault.mtbf_s=1.0", "fault.seed=0", "fault.max_faults=2"
+        "chaos", *TWO, "ft.spares=2", "fault=chaos", "fault.mtbf_s=0.5", "fault.seed=0", "fault.max_faults=2"
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = read_summary(run_dir)
@@ -296,3 +301,55 @@ def test_with_on_no_spare_wait_the_job_waits_for_a_replacement(run, fault_free):
     events = read_events(run_dir / "events")
     assert not any(e["event"] == "job_shrunk" for e in events)
     assert any(e["event"] == "spare_promoted" for e in events)
+
+
+def attempts_of(run_dir) -> set[int]:
+    return {e["attempt"] for e in read_events(run_dir / "events") if e["event"] == "worker_start"}
+
+
+def test_checkpoint_restart_baseline_restarts_every_worker_from_the_last_checkpoint(run, fault_free, tmp_path):
+    """torchrun restarts the whole group after a kill; the workers reload the checkpoint of step 10 and redo step
+    11 before the interrupted step 12: the same bits in the end, and the report reads the restart from the events."""
+    proc, run_dir = run(
+        "restart-kill",
+        *TWO,
+        "ft=checkpoint_restart",
+        "fault=kill_worker",
+        f"fault.step={FAULT_STEP}",
+        "ft.checkpoint_every=5",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == fault_free(TWO)
+    assert attempts_of(run_dir) == {0, 1}  # every worker was started a second time
+    (failure,) = summary["failures"]
+    assert failure["detected_by"] == "torchrun" and failure["step"] == FAULT_STEP
+    (recovery,) = summary["recoveries"]
+    assert recovery["completed"] and recovery["loaded_step"] == 10 and recovery["redone_steps"] == 1
+    assert recovery["time_to_recover_s"] > recovery["rebuild_s"] > 0
+    assert "goodput" in proc.stdout and "torchrun restarted every worker" in proc.stdout
+
+    report = subprocess.run(
+        [sys.executable, "-m", "launcher.report", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert report.returncode == 0, report.stderr
+    assert "time lost per failure" in report.stdout
+    assert json.loads((run_dir / "goodput.json").read_text())["failures"] == 1
+    assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_restart_with_auto_interval_recovers_an_exception(run, fault_free):
+    """`checkpoint_every=auto` writes a first checkpoint to measure its cost, then fixes the Young-Daly interval
+    (here longer than the run, so the restart after the exception goes back to step 0)."""
+    proc, run_dir = run(
+        "restart-exception", *TWO, "ft=checkpoint_restart", "fault=exception", f"fault.step={FAULT_STEP}"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == fault_free(TWO)
+    schedule = json.loads((run_dir / "checkpoints" / "schedule.json").read_text())
+    assert schedule["every_steps"] > STEPS and schedule["write_s"] > 0
+    (recovery,) = summary["recoveries"]
+    # The exception lands in the step in progress when the signal arrives (FAULT_STEP, or the next one).
+    assert recovery["loaded_step"] == 0 and recovery["interrupted_step"] >= FAULT_STEP
+    assert recovery["redone_steps"] == recovery["interrupted_step"] - 1
