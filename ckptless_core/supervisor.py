@@ -8,6 +8,7 @@ once, so a worker or a spare starts in a fraction of a second instead of paying 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import signal
@@ -402,8 +403,17 @@ class Supervisor:
 
     def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
         while (outcome := self.poll()) is None:
-            time.sleep(poll_interval_s)
+            self.wait_for_change(poll_interval_s)
         return outcome
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, waking at once when a live worker or spare exits, so a death is acted on within
+        milliseconds rather than a polling interval."""
+        sentinels = [w.process.sentinel for w in self.workers.values() if w.process.exitcode is None]
+        if sentinels:
+            multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """Kill every live worker and spare at once (workers ignore SIGTERM: a clean stop is `request_stop`)."""

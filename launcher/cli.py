@@ -20,9 +20,14 @@ Train a recipe on a cluster; any config field can be overridden Hydra-style (key
   --help       this text
 
 Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, dry_run, ft.spares,
-  fault=kill_worker fault.rank=1 fault.step=20,
+  ft=ckptless|checkpoint_restart|none, fault=kill_worker fault.rank=1 fault.step=20,
   data=text_files data.paths=[a.txt,b.txt], trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
   model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. The README has the full reference.
+
+After a run:
+  python -m launcher.report <run dir>    goodput table, time lost per failure by phase, cost in accelerator-hours,
+                                         money and energy (--price-per-hour, --watts), timeline picture
+  python -m launcher.simulate            the same trade-off at 64 to 131,072 accelerators (--help)
 
 Exit codes: 0 completed, 2 bad input (nothing started), 3 the job failed while running,
   4 repeated failures without progress, 130 interrupted."""

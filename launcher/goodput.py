@@ -76,6 +76,7 @@ def report_from_events(
             "overhead_s": sum(e.get("blocked_s", e["duration_s"]) for e in writes),
             "load_s": statistics.mean(e["duration_s"] for e in loads) if loads else 0.0,
             "every_steps": _checkpoint_every(events, writes),
+            "auto": any(e["event"] == "checkpoint_schedule" for e in events),
         },
         "worker_s": world_size * wall_s,
         "spare_s": spare_s,

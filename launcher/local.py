@@ -115,7 +115,7 @@ def _watch(
 ) -> JobOutcome | None:
     while (outcome := supervisor.poll()) is None and time.monotonic() < deadline:
         progress.update()
-        time.sleep(0.05)
+        supervisor.wait_for_change(0.05)
     return outcome
 
 

@@ -141,6 +141,10 @@ class TorchrunJob:
         )
         return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
 
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s` (torchrun's workers are not this process's children: they are polled)."""
+        time.sleep(timeout_s)
+
     def exit_codes(self) -> dict[str, int | None]:
         return {"torchrun": None if self.process is None else self.process.returncode}
 

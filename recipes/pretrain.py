@@ -118,11 +118,25 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Token
     return {"loss": state.grads.scalars[0].item(), "lr": lr, "grad_norm": grad_norm}
 
 
+def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None:
+    """One forward and backward on the first micro-batch, then the gradients cleared: a hot spare does this before
+    it waits, so the step it replays when promoted does not pay first-call costs (allocations, lazy initialization).
+    Parameters and optimizer state are untouched."""
+    device = state.grads.buffer.device
+    batch = sampler.batch(0, micro_batches(job, rank=0, world_size=1)[0]).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
+        logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
+    F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+    state.grads.zero()
+
+
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
     install_fault_handlers(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
+    if replica.env.spare:
+        warm_up(state, sampler=sampler, job=job)
     replica.attach(state_tensors(state.model, state.optimizer))
     replica.checkpoint_dir = run_dir / "checkpoints"
     checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)

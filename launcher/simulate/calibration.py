@@ -25,7 +25,7 @@ def _checkpoint_every_steps(report: Mapping[str, Any]) -> int:
 def calibrate(report: Mapping[str, Any]) -> CostModel:
     """The cost model of one strategy (`report["mode"]`) from a measured run's goodput report, at its world size.
 
-    step_s, world size, checkpoint write and load times and cadence are copied; detect_s is the median over completed
+    step_s, world size, checkpoint write and load times and cadence (`auto` stays Young-Daly) are copied; detect_s is the median over completed
     recoveries. checkpoint_restart: restart_s = median rebuild_s (restart + re-initialization), checkpoint_load_s =
     median transfer_s. ckptless: rebuild_s = median rebuild_s, state_bytes_per_rank = median bytes_moved,
     bandwidth = bytes_moved / transfer_s; spares are one accelerator each, min_spares = the run's spares.
@@ -70,7 +70,8 @@ def calibrate(report: Mapping[str, Any]) -> CostModel:
         detect_s=median["detect_s"],
         checkpoint_write_s=float(checkpoint.get("write_s", 0.0) or 0.0),
         checkpoint_load_s=float(checkpoint.get("load_s", 0.0) or 0.0),
-        checkpoint_every_s=every_steps * step_s if every_steps > 0 else None,
+        # `auto` (Young-Daly) stays auto, so other sizes and failure rates get their own optimal interval.
+        checkpoint_every_s=0.0 if checkpoint.get("auto") else (every_steps * step_s if every_steps > 0 else None),
         residual_s=max(0.0, statistics.median(residuals)),
         training_overhead=max(0.0, other_loss_s / productive_s) if productive_s > 0 else 0.0,
         accelerators_per_spare=1,

@@ -10,6 +10,9 @@ def test_help_lists_recipes_and_groups(launch):
     assert proc.returncode == 0
     for name in ("tiny_llama", "tiny_gpt_oss", "llama3_8b", "gpt_oss_20b", "cluster", "data", "text_files"):
         assert name in proc.stdout
+    # The tools for after a run are found from here.
+    assert "checkpoint_restart" in proc.stdout
+    assert "python -m launcher.report" in proc.stdout and "python -m launcher.simulate" in proc.stdout
 
 
 def test_cfg_job_prints_the_composed_config_with_overrides(launch, tmp_path):

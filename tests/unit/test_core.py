@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
+from ckptless_core.faults import FaultEvent, FaultInjector
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.state_hash import param_sha256
 
@@ -310,3 +312,46 @@ def test_core_imports_neither_hydra_omegaconf_transformers_nor_upper_layers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_auto_checkpoint_schedule_is_young_daly_from_the_measured_costs_and_is_kept(tmp_path):
+    """Write cost 0.5 s, MTBF 400 s: sqrt(2 x 0.5 x 400) = 20 s of work; at 0.1 s per step that is every 200 steps."""
+    events = EventLog(tmp_path / "events.jsonl", worker="worker0")
+    schedule = CheckpointSchedule("auto", mtbf_s=400.0, directory=tmp_path / "ckpt", events=events)
+    assert schedule.needs_write_cost and not schedule.due(200)
+    schedule.observe_write(0.5)
+    for step_s in (3.0, 0.1, 0.1, 0.1, 0.1, 0.1):  # the first step (warm-up) is left out of the median
+        schedule.observe_step(step_s)
+    assert schedule.every_steps == 200 and schedule.due(400) and not schedule.due(401)
+    # A restarted job reads the decision instead of measuring again.
+    again = CheckpointSchedule("auto", mtbf_s=400.0, directory=tmp_path / "ckpt", events=events)
+    assert again.every_steps == 200 and not again.needs_write_cost
+    assert young_daly_interval_s(write_s=0.5, mtbf_s=400.0) == pytest.approx(20.0)
+
+
+def test_a_fixed_checkpoint_interval_needs_no_measurement(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl", worker="worker0")
+    schedule = CheckpointSchedule(5, mtbf_s=1.0, directory=tmp_path, events=events)
+    assert not schedule.needs_write_cost and [s for s in range(1, 16) if schedule.due(s)] == [5, 10, 15]
+
+
+def chaos_strikes(members: dict[str, int], *, seed: int) -> list[tuple[float, int]]:
+    """(time, rank) of the strikes of a chaos event with mean 1 s over 20 s of training, looked at every 10 ms."""
+    injector = FaultInjector([FaultEvent(kind="chaos", mtbf_s=1.0, seed=seed)])
+    strikes = []
+    for tick in range(2000):
+        now = 1000.0 + tick * 0.01
+        progress = {name: 1 for name in members} if tick >= 100 else {}  # training starts at t = 1001
+        for strike in injector.due(
+            now=now, members=members, progress=progress, spares=[], recovering=False, sender=None
+        ):
+            strikes.append((round(now - 1001.0, 2), members[strike.worker]))
+    return strikes
+
+
+def test_chaos_strikes_the_same_ranks_at_the_same_times_whatever_the_worker_names():
+    under_supervisor = chaos_strikes({"worker0": 0, "worker2": 1}, seed=3)
+    under_torchrun = chaos_strikes({"worker0": 0, "worker1": 1}, seed=3)
+    assert under_supervisor == under_torchrun and len(under_supervisor) > 5
+    assert under_supervisor[0][0] > 0  # the clock starts with training, not before
+    assert chaos_strikes({"worker0": 0, "worker1": 1}, seed=4) != under_torchrun
