@@ -8,6 +8,7 @@ it was made in, so a report from a fenced or stale worker is recognised and igno
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ import torch.distributed as dist
 GENERATION_KEY = "generation"
 GENERATION_NUMBER_KEY = "generation_number"
 STOP_KEY = "stop"
+NEW_GENERATION_SIGNAL = signal.SIGURG
+"""Sent by the supervisor to the members of a generation it publishes after the first (ignored by default)."""
 """Set by the supervisor to ask every worker for a clean stop at its next step boundary."""
 
 

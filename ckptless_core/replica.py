@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,6 +30,7 @@ from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
 from ckptless_core.heartbeat import Heartbeat
 from ckptless_core.membership import (
+    NEW_GENERATION_SIGNAL,
     STOP_KEY,
     Generation,
     current_generation_number,
@@ -125,6 +127,28 @@ class Replica:
     @property
     def world_size(self) -> int:
         return self.generation.world_size
+
+    def interrupt_forward_on_new_generation(self, module: torch.nn.Module) -> None:
+        """Let a new generation stop this rank's forward pass at once: when a peer fails mid-step, the survivors
+        would otherwise finish computing a step whose collective can no longer succeed. The supervisor signals the
+        members of each new generation; every submodule's forward pre-hook then checks the generation and raises
+        `GenerationChanged` if it moved on. Only forward passes are cut short, never the optimizer update."""
+        if not self.fault_tolerant:
+            return
+        requested = {"check": False}
+
+        def on_signal(signum, frame) -> None:
+            requested["check"] = True
+
+        def pre_forward(mod, args) -> None:
+            if requested["check"]:
+                requested["check"] = False
+                if current_generation_number(self.store) != self.generation.number:
+                    raise GenerationChanged(f"generation {self.generation.number} ended during the forward pass")
+
+        signal.signal(NEW_GENERATION_SIGNAL, on_signal)
+        for submodule in module.modules():
+            submodule.register_forward_pre_hook(pre_forward)
 
     def attach(self, tensors: dict[str, torch.Tensor]) -> None:
         """The named tensors that define this worker's training state (see `transfer.state_tensors`)."""

@@ -22,7 +22,13 @@ import torch.distributed as dist
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultInjector
 from ckptless_core.job import JobOutcome, JobSpec, describe_exit
-from ckptless_core.membership import STOP_KEY, Generation, publish_generation, read_reports
+from ckptless_core.membership import (
+    NEW_GENERATION_SIGNAL,
+    STOP_KEY,
+    Generation,
+    publish_generation,
+    read_reports,
+)
 from ckptless_core.worker_process import run_worker
 
 
@@ -117,6 +123,11 @@ class Supervisor:
     def _publish(self, generation: Generation) -> None:
         self.generation = generation
         publish_generation(self.store, generation)
+        if generation.number > 1:
+            # Members still computing the step the failure interrupted stop at their next forward call instead of
+            # finishing it only to find the collective failed.
+            for name in generation.members:
+                _signal(self.workers[name].process, NEW_GENERATION_SIGNAL)
         self._forget_old_generations()
         self.events.emit(
             "generation_started",

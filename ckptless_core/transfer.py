@@ -1,5 +1,5 @@
 """Peer-to-peer state transfer: the ranks of a new generation agree on the most advanced consistent state, and
-its holder sends it, tensor by tensor over the collective backend, to every rank that is behind or new.
+its holder sends it, in flat buckets over the collective backend, to every rank that is behind or new.
 
 Nothing received is unpickled: both sides hold the same tensor layout (same model and optimizer built the same
 way), checked by a fingerprint of names, shapes and dtypes; the data is checked by the sender's checksum.
@@ -81,7 +81,7 @@ def checksum(tensors: dict[str, torch.Tensor], *, step: int) -> int:
     """SHA-256 of the step and every tensor's bytes, folded to a signed 63-bit integer (sent as an int64)."""
     digest = hashlib.sha256(str(step).encode())
     for tensor in tensors.values():
-        digest.update(_bytes(tensor))
+        digest.update(_raw(tensor).cpu().numpy())
     return _int63(digest)
 
 
@@ -110,19 +110,30 @@ def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: boo
     ok = torch.ones(1, dtype=torch.int64)
     bytes_moved = 0
     if receivers and rank == source:
-        header = torch.tensor([target, checksum(tensors, step=target)], dtype=torch.int64)
         for receiver in receivers:
-            dist.send(header, receiver)
-            for tensor in tensors.values():
-                dist.send(_flat(tensor), receiver)
-                bytes_moved += tensor.numel() * tensor.element_size()
+            # The checksum is computed while packing and sent last, so one pass over the bytes does both.
+            digest = hashlib.sha256(str(target).encode())
+            for bucket in _buckets(tensors):
+                flat = torch.cat([_raw(t) for t in bucket])
+                digest.update(flat.cpu().numpy())
+                dist.send(flat, receiver)
+                bytes_moved += flat.numel()
+            dist.send(torch.tensor([target, _int63(digest)], dtype=torch.int64), receiver)
     elif rank in receivers:
-        header = torch.zeros(2, dtype=torch.int64)
-        dist.recv(header, source)
+        digest = hashlib.sha256(str(target).encode())
         with torch.no_grad():
-            for tensor in tensors.values():
-                dist.recv(_flat(tensor), source)
-        if int(header[0]) != target or int(header[1]) != checksum(tensors, step=target):
+            for bucket in _buckets(tensors):
+                flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+                dist.recv(flat, source)
+                digest.update(flat.cpu().numpy())
+                offset = 0
+                for tensor in bucket:
+                    size = _raw(tensor).numel()
+                    _raw(tensor).copy_(flat[offset : offset + size])
+                    offset += size
+        trailer = torch.zeros(2, dtype=torch.int64)
+        dist.recv(trailer, source)
+        if int(trailer[0]) != target or int(trailer[1]) != _int63(digest):
             ok.zero_()
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not int(ok):
@@ -130,13 +141,30 @@ def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: boo
     return TransferResult(step=target, source=source, receivers=receivers, bytes_moved=bytes_moved)
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    assert tensor.is_contiguous(), "state tensors are sent in place and must be contiguous"
-    return tensor.view(-1) if tensor.dim() != 1 else tensor
+BUCKET_BYTES = 64 * 2**20
+"""State moves in flat buckets of about this size: one message per bucket instead of one per tensor, with a bounded
+extra copy on each side."""
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _buckets(tensors: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors in order, grouped into consecutive runs of at most BUCKET_BYTES (a bigger tensor goes alone) on
+    one device each."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].device != tensor.device:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (no copy): what moves, and what the checksum reads."""
+    assert tensor.is_contiguous(), "state tensors are moved in place and must be contiguous"
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def _int63(digest) -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ckptless_core import transfer
 from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
@@ -283,6 +284,47 @@ def test_two_gloo_ranks_end_with_identical_mean_gradients(tmp_path):
     assert results[0]["buffer"][numel].item() == pytest.approx(sum(losses) / 2)
     # The parameters' .grad (what the optimizer reads) hold the reduced values too.
     torch.testing.assert_close(torch.cat([g.reshape(-1) for g in results[1]["grads"]]), (local[0] + local[1]) / 2)
+
+
+def _transfer_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """Rank 0 holds trained state at step 7; rank 1 (a new spare) holds a fresh skeleton and receives it."""
+    torch.set_num_threads(1)
+    transfer.BUCKET_BYTES = 1000  # many small buckets, some tensors larger than a bucket
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        model = build_net()
+        optimizer = torch.optim.AdamW(model.parameters())
+        transfer.materialize_optimizer_state(optimizer)
+        if rank == 0:
+            local_loss(model, 0).backward()
+            optimizer.step()
+        tensors = transfer.state_tensors(model, optimizer)
+        result = transfer.synchronize_state(tensors, step=7 if rank == 0 else 0, valid=rank == 0)
+        torch.save({"state": {k: v.clone() for k, v in tensors.items()}, "step": result.step}, f"{out_dir}/r{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_state_moves_in_flat_buckets_and_arrives_bitwise(tmp_path):
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_transfer_worker, args=(rank, str(tmp_path / "store"), str(tmp_path)), daemon=True)
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=JOIN_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    sent, received = (torch.load(tmp_path / f"r{rank}.pt") for rank in range(2))
+    assert received["step"] == sent["step"] == 7
+    assert sent["state"].keys() == received["state"].keys()
+    for name, tensor in sent["state"].items():
+        assert torch.equal(tensor.view(-1).view(torch.uint8), received["state"][name].view(-1).view(torch.uint8)), name
+    assert transfer.checksum(sent["state"], step=7) == transfer.checksum(received["state"], step=7)
 
 
 # --- dist and layering ----------------------------------------------------------------------------------------------
