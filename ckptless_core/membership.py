@@ -17,6 +17,7 @@ import torch.distributed as dist
 GENERATION_KEY = "generation"
 GENERATION_NUMBER_KEY = "generation_number"
 STOP_KEY = "stop"
+"""Set by the supervisor on a stop request: the committed step at which every worker stops."""
 NEW_GENERATION_SIGNAL = signal.SIGURG
 """Sent by the supervisor to the members of a generation it publishes after the first (ignored by default)."""
 """Set by the supervisor to ask every worker for a clean stop at its next step boundary."""

@@ -170,7 +170,7 @@ class Replica:
     def run_step(self, step_fn: Callable[[int], T]) -> T:
         """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again."""
         while True:
-            if self.store.check([STOP_KEY]):
+            if self.store.check([STOP_KEY]) and self.step >= int(self.store.get(STOP_KEY)):
                 raise StopRequested(f"stop requested before step {self.step + 1}")
             try:
                 if self.fault_tolerant and current_generation_number(self.store) != self.generation.number:

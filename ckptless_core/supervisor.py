@@ -406,11 +406,16 @@ class Supervisor:
             self.workers[name].process.join(timeout=5.0)
 
     def request_stop(self) -> None:
-        """Preemption: every worker stops cleanly at its next step boundary (writing a final checkpoint when
-        checkpoints are enabled) and exits; keep polling for the outcome."""
+        """Preemption: every worker stops cleanly at the same step boundary (writing a final checkpoint when
+        checkpoints are enabled) and exits; keep polling for the outcome.
+
+        The boundary is two steps past the most advanced progress report: a worker reports each step before it
+        checks for a stop, so none can have passed that boundary unseen, and all of them stop there together
+        (workers stopping one step apart would leave the others blocked in a collective)."""
         if self.store is not None:
-            self.store.set(STOP_KEY, "1")
-            self.events.emit("stop_requested")
+            stop_at = max(self._progress().values(), default=0) + 2
+            self.store.set(STOP_KEY, str(stop_at))
+            self.events.emit("stop_requested", stop_at=stop_at)
 
     def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
         while (outcome := self.poll()) is None:
