@@ -47,6 +47,7 @@ def report_from_events(
     writes = [e for e in events if e["event"] == "checkpoint_written" and started_at <= e["t"] <= ended_at]
     loads = [e for e in events if e["event"] == "checkpoint_loaded" and e["t"] >= started_at]
     spare_s = spares * wall_s
+    failed = failures(events)
     return {
         "mode": mode,
         "world_size": world_size,
@@ -58,8 +59,8 @@ def report_from_events(
         "productive_s": productive_s,
         "goodput": productive_s / wall_s if wall_s > 0 else 1.0,
         "lost_s": wall_s - productive_s,
-        "failures": len(failures(events)),
-        "failure_times_s": [f["t"] - started_at for f in failures(events)],
+        "failures": len(failed),
+        "failure_times_s": [f["t"] - started_at for f in failed],
         "recoveries": recovered,
         "lost_per_failure_s": {
             "median": statistics.median(lost_per_failure) if lost_per_failure else 0.0,

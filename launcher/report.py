@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from ckptless_core.events import read_events
 from launcher.goodput import cost_of, fault_free_step_s, goodput_report
 
 DEFAULT_PRICE_PER_HOUR = 2.50
@@ -91,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--price-per-hour and --watts must be 0 or more, --step-s positive")
     step_s = options.step_s
     if options.reference is not None:
-        from ckptless_core.events import read_events
-
         step_s = fault_free_step_s(read_events(options.reference / "events"))
     try:
         report = goodput_report(options.run_dir, step_s=step_s)
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report, cost, run_dir=options.run_dir))
     (options.run_dir / "goodput.json").write_text(json.dumps({**report, "cost": cost}, indent=2) + "\n")
     if not options.no_timeline:
-        from ckptless_core.events import read_events
         from launcher.timeline import plot_timeline
 
         path = plot_timeline(read_events(options.run_dir / "events"), options.run_dir / "timeline.png")

@@ -64,8 +64,13 @@ class WorkerWatch:
         name = event["worker"]
         if event["event"] == "worker_start":
             self.attempt = max(self.attempt, event["attempt"])
-            self.workers[name] = {"pid": event["pid"], "attempt": event["attempt"], "rank": event["rank"], "step": 0}
-            self.workers[name]["stepped"] = False
+            self.workers[name] = {
+                "pid": event["pid"],
+                "attempt": event["attempt"],
+                "rank": event["rank"],
+                "step": 0,
+                "stepped": False,
+            }
         elif event["event"] in ("checkpoint_loaded", "train_start", "step_committed") and name in self.workers:
             self.workers[name]["step"] = event["step"]
             self.workers[name]["stepped"] |= event["event"] == "step_committed"
