@@ -128,11 +128,12 @@ class Replica:
     def world_size(self) -> int:
         return self.generation.world_size
 
-    def interrupt_forward_on_new_generation(self, module: torch.nn.Module) -> None:
-        """Let a new generation stop this rank's forward pass at once: when a peer fails mid-step, the survivors
-        would otherwise finish computing a step whose collective can no longer succeed. The supervisor signals the
-        members of each new generation; every submodule's forward pre-hook then checks the generation and raises
-        `GenerationChanged` if it moved on. Only forward passes are cut short, never the optimizer update."""
+    def interrupt_compute_on_new_generation(self, module: torch.nn.Module) -> None:
+        """Let a new generation stop this rank's forward and backward passes at once: when a peer fails mid-step,
+        the survivors would otherwise finish computing a step whose collective can no longer succeed. The supervisor
+        signals the members of each new generation; the next forward pre-hook of any submodule, or gradient hook of
+        any parameter, then checks the generation and raises `GenerationChanged` if it moved on. Never the
+        collective or the optimizer update: those end on their own (peer gone) or must not be cut (critical section)."""
         if not self.fault_tolerant:
             return
         requested = {"check": False}
@@ -140,15 +141,18 @@ class Replica:
         def on_signal(signum, frame) -> None:
             requested["check"] = True
 
-        def pre_forward(mod, args) -> None:
+        def check(*_) -> None:
             if requested["check"]:
                 requested["check"] = False
                 if current_generation_number(self.store) != self.generation.number:
-                    raise GenerationChanged(f"generation {self.generation.number} ended during the forward pass")
+                    raise GenerationChanged(f"generation {self.generation.number} ended during the step's compute")
 
         signal.signal(NEW_GENERATION_SIGNAL, on_signal)
         for submodule in module.modules():
-            submodule.register_forward_pre_hook(pre_forward)
+            submodule.register_forward_pre_hook(check)
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                parameter.register_hook(check)
 
     def attach(self, tensors: dict[str, torch.Tensor]) -> None:
         """The named tensors that define this worker's training state (see `transfer.state_tensors`)."""

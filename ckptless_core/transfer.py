@@ -111,29 +111,9 @@ def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: boo
     bytes_moved = 0
     if receivers and rank == source:
         for receiver in receivers:
-            # The checksum is computed while packing and sent last, so one pass over the bytes does both.
-            digest = hashlib.sha256(str(target).encode())
-            for bucket in _buckets(tensors):
-                flat = torch.cat([_raw(t) for t in bucket])
-                digest.update(flat.cpu().numpy())
-                dist.send(flat, receiver)
-                bytes_moved += flat.numel()
-            dist.send(torch.tensor([target, _int63(digest)], dtype=torch.int64), receiver)
+            bytes_moved += _send(tensors, step=target, to=receiver)
     elif rank in receivers:
-        digest = hashlib.sha256(str(target).encode())
-        with torch.no_grad():
-            for bucket in _buckets(tensors):
-                flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
-                dist.recv(flat, source)
-                digest.update(flat.cpu().numpy())
-                offset = 0
-                for tensor in bucket:
-                    size = _raw(tensor).numel()
-                    _raw(tensor).copy_(flat[offset : offset + size])
-                    offset += size
-        trailer = torch.zeros(2, dtype=torch.int64)
-        dist.recv(trailer, source)
-        if int(trailer[0]) != target or int(trailer[1]) != _int63(digest):
+        if not _receive(tensors, step=target, source=source):
             ok.zero_()
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not int(ok):
@@ -141,9 +121,64 @@ def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: boo
     return TransferResult(step=target, source=source, receivers=receivers, bytes_moved=bytes_moved)
 
 
-BUCKET_BYTES = 64 * 2**20
-"""State moves in flat buckets of about this size: one message per bucket instead of one per tensor, with a bounded
-extra copy on each side."""
+BUCKET_BYTES = 4 * 2**20
+"""State moves in buckets of about this size: neighbouring small tensors packed into one message, a bigger tensor
+alone and without a copy. Up to IN_FLIGHT buckets are on the wire at once, so packing and checksumming on the sender
+and checksumming and unpacking on the receiver overlap with the transfer."""
+
+IN_FLIGHT = 4
+
+
+def _send(tensors: dict[str, torch.Tensor], *, step: int, to: int) -> int:
+    """Send every bucket to rank `to`, then the step and the checksum of all bytes sent (computed as they go)."""
+    digest = hashlib.sha256(str(step).encode())
+    in_flight: list = []
+    sent = 0
+    for bucket in _buckets(tensors):
+        flat = _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
+        digest.update(flat.cpu().numpy())
+        in_flight.append(dist.isend(flat, to))
+        sent += flat.numel()
+        if len(in_flight) == IN_FLIGHT:
+            in_flight.pop(0).wait()
+    for request in in_flight:
+        request.wait()
+    dist.send(torch.tensor([step, _int63(digest)], dtype=torch.int64), to)
+    return sent
+
+
+def _receive(tensors: dict[str, torch.Tensor], *, step: int, source: int) -> bool:
+    """Receive every bucket from `source` into `tensors` in place; True if the step and checksum announced by the
+    sender match what arrived."""
+    digest = hashlib.sha256(str(step).encode())
+    buckets = _buckets(tensors)
+    posted: list = []
+
+    def post(bucket: list[torch.Tensor]) -> None:
+        if len(bucket) == 1:
+            flat = _raw(bucket[0])
+        else:
+            flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+        posted.append((bucket, flat, dist.irecv(flat, source)))
+
+    with torch.no_grad():
+        for bucket in buckets[:IN_FLIGHT]:
+            post(bucket)
+        for index in range(len(buckets)):
+            bucket, flat, request = posted.pop(0)
+            request.wait()
+            if index + IN_FLIGHT < len(buckets):
+                post(buckets[index + IN_FLIGHT])
+            digest.update(flat.cpu().numpy())
+            if len(bucket) > 1:
+                offset = 0
+                for tensor in bucket:
+                    size = _raw(tensor).numel()
+                    _raw(tensor).copy_(flat[offset : offset + size])
+                    offset += size
+    trailer = torch.zeros(2, dtype=torch.int64)
+    dist.recv(trailer, source)
+    return int(trailer[0]) == step and int(trailer[1]) == _int63(digest)
 
 
 def _buckets(tensors: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -134,7 +134,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
     install_fault_handlers(state.model)
-    replica.interrupt_forward_on_new_generation(state.model)
+    replica.interrupt_compute_on_new_generation(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     if replica.env.spare:
         warm_up(state, sampler=sampler, job=job)

@@ -4,6 +4,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
 from ckptless_core.faults import FaultEvent, FaultInjector
 from ckptless_core.grad_sync import FlatGradients
+from ckptless_core.membership import GENERATION_NUMBER_KEY, Generation
+from ckptless_core.replica import NEW_GENERATION_SIGNAL, GenerationChanged, Replica
 from ckptless_core.state_hash import param_sha256
 
 JOIN_TIMEOUT_S = 60
@@ -325,6 +328,39 @@ def test_state_moves_in_flat_buckets_and_arrives_bitwise(tmp_path):
     for name, tensor in sent["state"].items():
         assert torch.equal(tensor.view(-1).view(torch.uint8), received["state"][name].view(-1).view(torch.uint8)), name
     assert transfer.checksum(sent["state"], step=7) == transfer.checksum(received["state"], step=7)
+
+
+def test_a_new_generation_stops_a_survivors_forward_and_backward_but_not_a_spurious_signal(tmp_path):
+    """The supervisor SIGURGs the members of a new generation; the next module call or parameter gradient raises."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(GENERATION_NUMBER_KEY, "1")
+    env = WorkerEnv(0, 1, 0, "127.0.0.1", store.port, "worker0", supervised=True)
+    replica = Replica(
+        env,
+        backend="gloo",
+        collective_timeout_s=10,
+        recovery_timeout_s=10,
+        heartbeat_interval_s=1,
+        events=EventLog(tmp_path / "worker0.jsonl", worker="worker0"),
+    )
+    replica.generation = Generation(number=1, members={"worker0": 0})
+    previous = signal.getsignal(NEW_GENERATION_SIGNAL)
+    try:
+        model = build_net()
+        replica.interrupt_compute_on_new_generation(model)
+        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)  # same generation: a late or stray signal changes nothing
+        local_loss(model, 0).backward()
+        store.set(GENERATION_NUMBER_KEY, "2")
+        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)
+        with pytest.raises(GenerationChanged):
+            local_loss(model, 0)
+        loss = local_loss(model, 0)  # the forward is done when the next signal comes: backward stops instead
+        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)
+        with pytest.raises(GenerationChanged):
+            loss.backward()
+    finally:
+        signal.signal(NEW_GENERATION_SIGNAL, previous)
+        replica.close()
 
 
 # --- dist and layering ----------------------------------------------------------------------------------------------
