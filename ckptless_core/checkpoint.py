@@ -23,11 +23,13 @@ from ckptless_core.transfer import checksum, layout_fingerprint
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, *, events: EventLog, background: bool = True) -> None:
+    def __init__(self, directory: Path, *, events: EventLog, background: bool = True, keep: int = 3) -> None:
         self.directory = directory
         self.events = events
         self.background = background
         """Write in a thread (training waits only for the copy to memory); else training waits for the file."""
+        self.keep = keep
+        """Checkpoints kept: after each write the older ones beyond the newest `keep` are deleted (0: keep all)."""
         self.writer: threading.Thread | None = None
 
     def save(self, tensors: dict[str, torch.Tensor], *, step: int) -> float:
@@ -72,6 +74,9 @@ class Checkpointer:
         }
         save_file(snapshot, str(tmp), metadata=metadata)
         os.replace(tmp, path)
+        if self.keep:
+            for old in sorted(self.directory.glob("step_*.safetensors"))[: -self.keep]:
+                old.unlink(missing_ok=True)
         duration_s = time.perf_counter() - started
         self.events.emit(
             "checkpoint_written",

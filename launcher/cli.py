@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: nothing was started or written")
             return EXIT_OK
         check_fits(job, plan)
-        check_run_dir(run_dir, overwrite=job.run.overwrite)
+        check_run_dir(run_dir, overwrite=job.run.overwrite, resume=job.resume)
         prepare(job)
     except ConfigError as error:
         return _bad_input(error)

@@ -101,9 +101,10 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"ft.on_no_spare={ft.on_no_spare!r}: choose shrink, wait or fail")
     if ft.checkpoint_every != "auto" and not (isinstance(ft.checkpoint_every, int) and ft.checkpoint_every >= 0):
         raise ConfigError(f"ft.checkpoint_every={ft.checkpoint_every!r}: give a number of steps (0: none) or auto")
-    if min(ft.spares, ft.max_failures_without_progress, ft.check_every, ft.max_restarts) < 0:
+    if min(ft.spares, ft.max_failures_without_progress, ft.check_every, ft.max_restarts, ft.keep_checkpoints) < 0:
         raise ConfigError(
-            "ft.spares, ft.max_failures_without_progress, ft.check_every and ft.max_restarts must be 0 or more"
+            "ft.spares, ft.max_failures_without_progress, ft.check_every, ft.max_restarts and ft.keep_checkpoints "
+            "must be 0 or more"
         )
     if ft.mtbf_s <= 0:
         raise ConfigError(f"ft.mtbf_s={ft.mtbf_s} must be positive (the job's expected time between failures)")

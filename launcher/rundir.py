@@ -9,8 +9,20 @@ from pathlib import Path
 from launcher.errors import ConfigError
 from recipes.schema import JobConfig
 
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors", "events", "logs")
-"""What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there."""
+RUN_OUTPUTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "model.safetensors",
+    "goodput.json",
+    "timeline.png",
+    "events",
+    "logs",
+    "checkpoints",
+)
+"""What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
+go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to
+continue one)."""
 
 
 def resolve_run_dir(job: JobConfig, *, recipe: str) -> Path:
@@ -24,14 +36,20 @@ def resolve_run_dir(job: JobConfig, *, recipe: str) -> Path:
     return candidate.absolute()
 
 
-def check_run_dir(path: Path, *, overwrite: bool) -> None:
-    """Bad input: an existing non-empty directory without `run.overwrite=true`, or a file in the way."""
+def check_run_dir(path: Path, *, overwrite: bool, resume: str | None = None) -> None:
+    """Bad input: an existing non-empty directory without `run.overwrite=true`, a file in the way, or overwriting
+    the run that `resume=` continues from."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run.dir={path} exists and is not a directory; choose another run.dir")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise ConfigError(
             f"run.dir={path} already holds files (an earlier run?); choose another run.dir, "
             "or pass run.overwrite=true to replace that run's outputs"
+        )
+    if resume is not None and Path(resume).expanduser().absolute() == path:
+        raise ConfigError(
+            f"resume={resume} is the run directory this run writes (and run.overwrite=true would delete its "
+            "checkpoints); give the new run its own run.dir"
         )
 
 

@@ -204,7 +204,7 @@ def _checkpointing(
         return None, None
     background = job.ft.mode != "checkpoint_restart"
     return (
-        Checkpointer(directory, events=events, background=background),
+        Checkpointer(directory, events=events, background=background, keep=job.ft.keep_checkpoints),
         CheckpointSchedule(job.ft.checkpoint_every, mtbf_s=job.ft.mtbf_s, directory=directory, events=events),
     )
 

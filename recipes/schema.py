@@ -133,6 +133,8 @@ class FtConfig:
     `mtbf_s`), from the measured write cost and step time; 0: no checkpoints. In `ckptless` mode they are written in
     the background and serve when no healthy peer holds the state, `resume=`, and preemption; in
     `checkpoint_restart` mode training waits for each write and every restart reloads the latest."""
+    keep_checkpoints: int = 3
+    """Disk checkpoints kept: after each write only the newest this many remain (0 keeps every one)."""
     mtbf_s: float = 3600.0
     """Expected mean time between failures of the whole job, for `checkpoint_every=auto`."""
     max_restarts: int = 10

@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         # failures cannot move) and, beside it, against the separate fault-free run's: between two runs the step
         # time of this shared 2-core machine drifts by a few percent, which the first is immune to.
         numbers = report(runs_dir / mode)
+        if numbers["failures"] != len(schedule):
+            raise SystemExit(
+                f"{mode}: {numbers['failures']} failure(s) recorded, {len(schedule)} scheduled: the runs are not "
+                f"comparable; see {runs_dir / mode}/events"
+            )
         against_reference = goodput_report(runs_dir / mode, step_s=step_s)["goodput"]
         results[mode] = {
             "step_s": numbers["step_s"],

@@ -53,6 +53,7 @@ BAD_INPUTS = {
     "spares under the checkpoint-restart baseline": (["ft=checkpoint_restart", "ft.spares=1"], "ft.spares=0"),
     "a fault the baseline cannot have": (["ft=checkpoint_restart", "fault=kill_spare"], "kill_spare"),
     "checkpoint interval neither steps nor auto": (["ft.checkpoint_every=often"], "ft.checkpoint_every"),
+    "negative number of checkpoints to keep": (["ft.keep_checkpoints=-1"], "ft.keep_checkpoints"),
 }
 
 
@@ -75,9 +76,32 @@ def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path)
     assert proc.returncode == 2
     assert "run.overwrite=true" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
-    proc = launch("recipe=tiny_llama", f"run.dir={run_dir}", "trainer.max_steps=2", "run.overwrite=true")
+    # The earlier run's outputs go, its checkpoints too (a new run must not restart from them); the rest stays.
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "step_00000999.safetensors").write_text("an earlier run's checkpoint")
+    proc = launch(
+        "recipe=tiny_llama",
+        f"run.dir={run_dir}",
+        "trainer.max_steps=4",
+        "run.overwrite=true",
+        "ft.checkpoint_every=1",
+        "ft.keep_checkpoints=2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / "keep.txt").exists() and (run_dir / "summary.json").exists()
+    # A checkpoint after every step, only the newest two kept.
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert kept == ["step_00000003.safetensors", "step_00000004.safetensors"]
+
+
+def test_overwriting_the_run_that_resume_continues_is_refused(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002.safetensors").write_text("the only copy")
+    proc = launch("recipe=tiny_llama", f"run.dir={run_dir}", f"resume={run_dir}", "run.overwrite=true")
+    assert proc.returncode == 2
+    assert "resume=" in proc.stderr and "own run.dir" in proc.stderr
+    assert (run_dir / "checkpoints" / "step_00000002.safetensors").read_text() == "the only copy"
 
 
 def test_missing_recipe_is_refused(launch, tmp_path):
