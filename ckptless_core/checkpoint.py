@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ckptless_core.events import EventLog
@@ -88,9 +88,27 @@ class Checkpointer:
         )
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    files = sorted(directory.glob("step_*.safetensors"))
-    return files[-1] if files else None
+class NoUsableCheckpoint(ValueError):
+    """Checkpoints exist, but none of them can be loaded into this job's state."""
+
+
+def load_latest_checkpoint(
+    directory: Path, tensors: dict[str, torch.Tensor], *, events: EventLog | None = None
+) -> tuple[int, Path] | None:
+    """Load the newest checkpoint in `directory` that passes its checks, skipping (with a `checkpoint_skipped`
+    event) any that is unreadable or corrupt; returns (step, path), or None when there is no checkpoint at all."""
+    files = sorted(directory.glob("step_*.safetensors"), reverse=True)
+    reasons = []
+    for path in files:
+        try:
+            return load_checkpoint(path, tensors), path
+        except (ValueError, OSError, SafetensorError) as error:
+            reasons.append(f"{path.name}: {error}")
+            if events is not None:
+                events.emit("checkpoint_skipped", path=str(path), reason=str(error))
+    if files:
+        raise NoUsableCheckpoint(f"no usable checkpoint in {directory}: " + "; ".join(reasons))
+    return None
 
 
 def load_checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> int:

@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptless_core.checkpoint import latest_checkpoint, load_checkpoint
+from ckptless_core.checkpoint import load_latest_checkpoint
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
 from ckptless_core.heartbeat import Heartbeat
@@ -361,14 +361,19 @@ class Replica:
         )
 
     def _restore_from_checkpoint(self, error: NoHealthyReplica) -> TransferResult:
-        """No rank holds a trusted copy (every holder died at once): every rank loads the latest disk checkpoint,
-        and says so; without one the recovery fails."""
-        path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        if path is None:
+        """No rank holds a trusted copy (every holder died at once): every rank loads the newest usable disk
+        checkpoint, and says so; the ranks must have loaded the same step. Without one the recovery fails."""
+        restored = None
+        if self.checkpoint_dir is not None:
+            restored = load_latest_checkpoint(self.checkpoint_dir, self.tensors, events=self.events)
+        if restored is None:
             raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to (ft.checkpoint_every)")
-        self.step = load_checkpoint(path, self.tensors)
+        self.step, path = restored
         self.events.emit("checkpoint_fallback", generation=self.generation.number, step=self.step, path=str(path))
-        dist.barrier()
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(steps, torch.tensor([self.step], dtype=torch.int64))
+        if len({int(s) for s in steps}) != 1:
+            raise IntegrityError(f"ranks fell back to checkpoints of different steps: {[int(s) for s in steps]}")
         return TransferResult(step=self.step, source=-1, receivers=(self.rank,), bytes_moved=0)
 
     def _standalone_generation(self) -> Generation:

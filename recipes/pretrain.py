@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ckptless_core.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from ckptless_core.checkpoint import Checkpointer, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
@@ -141,10 +141,10 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     replica.attach(state_tensors(state.model, state.optimizer))
     replica.checkpoint_dir = run_dir / "checkpoints"
     checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
-    if (restore_from := _restore_point(job, run_dir)) is not None:
-        started = time.perf_counter()
-        replica.step = load_checkpoint(restore_from, replica.tensors)
-        events.emit("checkpoint_loaded", step=replica.step, path=str(restore_from), duration_s=_since(started))
+    started = time.perf_counter()
+    if (restored := _restore(job, run_dir, replica.tensors, events=events)) is not None:
+        replica.step, path = restored
+        events.emit("checkpoint_loaded", step=replica.step, path=str(path), duration_s=_since(started))
     replica.start()  # a hot spare waits here, model built, until it is promoted
     metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
@@ -209,13 +209,16 @@ def _checkpointing(
     )
 
 
-def _restore_point(job: JobConfig, run_dir: Path) -> Path | None:
-    """The checkpoint a worker starts from: under checkpoint-restart the latest of this run (after a restart),
-    else the latest of the run named by `resume`, else none."""
-    if job.ft.mode == "checkpoint_restart" and (path := latest_checkpoint(run_dir / "checkpoints")) is not None:
-        return path
+def _restore(
+    job: JobConfig, run_dir: Path, tensors: dict[str, torch.Tensor], *, events: EventLog
+) -> tuple[int, Path] | None:
+    """Load the checkpoint a worker starts from, if any: under checkpoint-restart the newest usable one of this run
+    (after a restart), else the newest usable one of the run named by `resume`; returns (step, path)."""
+    if job.ft.mode == "checkpoint_restart":
+        if (restored := load_latest_checkpoint(run_dir / "checkpoints", tensors, events=events)) is not None:
+            return restored
     if job.resume is not None:
-        return latest_checkpoint(Path(job.resume) / "checkpoints")
+        return load_latest_checkpoint(Path(job.resume) / "checkpoints", tensors, events=events)
     return None
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ckptless_core.events import read_jsonl
+from ckptless_core.events import read_events, read_jsonl
 from tests.conftest import OFFLINE, read_summary
 
 LONG_RUN = ("recipe=tiny_llama", "trainer.max_steps=2000")
@@ -112,6 +112,9 @@ def test_preemption_stops_cleanly_with_a_final_checkpoint_and_the_run_resumes(tm
     stopped_at = summary["steps"]
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*.safetensors"))
     assert [c.name for c in checkpoints] == [f"step_{stopped_at:08d}.safetensors"]
+    # A newer checkpoint that is damaged (here: cut short) is skipped, with an event, for the newest usable one.
+    damaged = checkpoints[0].with_name(f"step_{stopped_at + 1:08d}.safetensors")
+    damaged.write_bytes(checkpoints[0].read_bytes()[:1000])
 
     resumed = launch(
         "recipe=tiny_llama",
@@ -122,3 +125,5 @@ def test_preemption_stops_cleanly_with_a_final_checkpoint_and_the_run_resumes(tm
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(stopped_at + 1, stopped_at + 6))
+    skipped = [e for e in read_events(tmp_path / "resumed" / "events") if e["event"] == "checkpoint_skipped"]
+    assert skipped and {e["path"] for e in skipped} == {str(damaged)}

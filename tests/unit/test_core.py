@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ckptless_core import transfer
+from ckptless_core.checkpoint import Checkpointer, NoUsableCheckpoint, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
@@ -390,6 +391,35 @@ def test_core_imports_neither_hydra_omegaconf_transformers_nor_upper_layers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_only_the_newest_checkpoints_are_kept_and_a_corrupt_newest_one_is_skipped(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl", worker="worker0")
+    directory = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(directory, events=events, background=False, keep=2)
+    state = sample_state()
+    written = {}
+    for step in (1, 2, 3):
+        for tensor in state.values():
+            tensor.add_(1)
+        checkpointer.save(state, step=step)
+        written[step] = {name: t.clone() for name, t in state.items()}
+    assert sorted(p.name for p in directory.iterdir()) == ["step_00000002.safetensors", "step_00000003.safetensors"]
+    newest = directory / "step_00000003.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF  # one bit pattern of the last tensor's bytes: the file still parses, the checksum fails
+    newest.write_bytes(bytes(data))
+    target = {name: torch.zeros_like(t) for name, t in state.items()}
+    step, path = load_latest_checkpoint(directory, target, events=events)
+    assert (step, path.name) == (2, "step_00000002.safetensors")
+    torch.testing.assert_close(target, written[2], rtol=0, atol=0)
+    skipped = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint_skipped"]
+    assert [e["path"] for e in skipped] == [str(newest)] and "corrupt" in skipped[0]["reason"]
+    # Nothing usable is an error naming every file; no checkpoint at all is None.
+    (directory / "step_00000002.safetensors").write_bytes(b"truncated")
+    with pytest.raises(NoUsableCheckpoint, match="step_00000002.*step_00000003|step_00000003.*step_00000002"):
+        load_latest_checkpoint(directory, target)
+    assert load_latest_checkpoint(tmp_path / "none", target) is None
 
 
 def test_auto_checkpoint_schedule_is_young_daly_from_the_measured_costs_and_is_kept(tmp_path):
