@@ -29,6 +29,7 @@ from ckptless_core.membership import (
     publish_generation,
     read_reports,
 )
+from ckptless_core.replacement import replace_lost
 from ckptless_core.worker_process import run_worker
 
 
@@ -257,33 +258,28 @@ class Supervisor:
             self.events.emit("job_abandoned", reason="no_progress", message=message)
             self.stop()
             return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="no_progress")
-        members = dict(self.generation.members)
-        vacant = sorted(members.pop(name) for name, f in failures.items() if f["lost"])
-        for name, failure in failures.items():
-            if failure["lost"]:
-                self.workers[name].retired = True
-        ready = self._ready_spares()
-        for rank in list(vacant):
-            if ready:
-                spare = ready.pop(0)
-                members[spare] = rank
-                vacant.remove(rank)
-                self.spares_owed += 1
-                self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
-        if vacant:
-            size = self._largest_size(len(members))
-            if self.ft.on_no_spare == "fail" or (self.ft.on_no_spare == "shrink" and not size):
-                message = f"no spare left to replace rank(s) {vacant} (ft.on_no_spare={self.ft.on_no_spare})"
-                self.events.emit("job_abandoned", reason="no_spare", message=message)
-                self.stop()
-                return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
-            if self.ft.on_no_spare == "wait":
-                return self._wait_for_spares(members, vacant)
-            # Keep the lowest ranks at the largest size the global batch allows; the rest wait as spares.
-            survivors = [name for name, _ in sorted(members.items(), key=lambda kv: kv[1])]
-            members = {name: rank for rank, name in enumerate(survivors[:size])}
-            self.events.emit("job_shrunk", world_size=size, lost_ranks=vacant, demoted=survivors[size:])
-        self._publish(Generation(number=self.generation.number + 1, members=members, reason="failure"))
+        lost = [name for name, failure in failures.items() if failure["lost"]]
+        for name in lost:
+            self.workers[name].retired = True
+        plan = replace_lost(
+            self.generation.members,
+            lost,
+            self._ready_spares(),
+            on_no_spare=self.ft.on_no_spare,
+            largest_size=self._largest_size,
+        )
+        for spare, rank in plan.promoted.items():
+            self.spares_owed += 1
+            self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
+        if plan.abandon:
+            self.events.emit("job_abandoned", reason="no_spare", message=plan.abandon)
+            self.stop()
+            return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=plan.abandon, reason="failed")
+        if plan.wait:
+            return self._wait_for_spares(plan.members, plan.vacant)
+        if plan.shrunk_to:
+            self.events.emit("job_shrunk", world_size=plan.shrunk_to, lost_ranks=plan.vacant, demoted=plan.demoted)
+        self._publish(Generation(number=self.generation.number + 1, members=plan.members, reason="failure"))
         return None
 
     def _wait_for_spares(self, members: dict[str, int], vacant: list[int]) -> JobOutcome | None:
