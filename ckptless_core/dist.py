@@ -1,4 +1,4 @@
-"""Who a worker is, from the environment a supervisor (or torchrun) sets, and which collective backend it uses."""
+"""Who a worker is, from the environment a node agent (or torchrun) sets, and which collective backend it uses."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class WorkerEnv:
     spare: bool = False
     """Started as a hot spare: it holds a model skeleton, not the training state, until it receives one."""
     supervised: bool = False
-    """Started by a ckptless supervisor (membership from its store); else by torchrun or by hand."""
+    """Started by a ckptless node agent (membership from the coordinator); else by torchrun or by hand."""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv:

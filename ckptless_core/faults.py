@@ -1,29 +1,66 @@
-"""Fault injection, delivered the way real faults arrive: a signal from another process (the supervisor) at a
+"""Fault injection, delivered the way real faults arrive: a signal from another process (the node agent, on the coordinator.s word) at a
 chosen step, at a chosen moment of a recovery, or at random times.
 
-Kinds: `kill_worker` (SIGKILL), `hang` (SIGSTOP: only missing heartbeats reveal it), `exception` (SIGUSR1, which
+Kinds: `kill_worker` (SIGKILL), `hang` (SIGSTOP: only missing heartbeats reveal it), `exception` (SIGRTMIN+1, which
 the worker turns into an error raised inside the model's forward at its next call: a signal handler cannot
-interrupt native code), `corrupt` (SIGUSR2: the worker silently perturbs one parameter, as a bit flip would; the
-replicas' periodic checksum comparison must catch it), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a member while the next
-generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random rank at exponential
-intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same schedule in every
-ft mode).
+interrupt native code), `corrupt` (SIGRTMIN+2: the worker silently perturbs one parameter, as a bit flip would; the
+replicas' periodic checksum comparison must catch it), `segfault` (SIGRTMIN+3, which the worker turns into a real
+native crash, SIGSEGV, at its next forward), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a
+member while the next generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random
+rank at exponential intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same
+schedule in every ft mode).
+
+Only runs that configure `exception`, `corrupt` or `segfault` install a handler (`install_fault_handlers`), each on a
+real-time signal of its own: nothing else sends those, so a stray SIGUSR1/SIGUSR2 (Slurm's `--signal`, an operator)
+never changes the model.
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
 import signal
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("kill_worker", "hang", "exception", "corrupt", "kill_spare", "kill_in_recovery", "kill_sender", "chaos")
+KINDS = (
+    "kill_worker",
+    "kill_host",
+    "hang",
+    "stuck",
+    "exception",
+    "corrupt",
+    "segfault",
+    "kill_spare",
+    "kill_in_recovery",
+    "kill_sender",
+    "chaos",
+)
+
+
+STUCK_FOR_S = 3600.0
+"""How long a `stuck` rank blocks (it is fenced long before)."""
+
+
+def signal_name(signum: int) -> str:
+    """`SIGKILL`, `SIGRTMIN+1`, ...: `signal.Signals` has members for SIGRTMIN and SIGRTMAX only."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+
+
 SIGNALS = {
     "kill_worker": signal.SIGKILL,
     "hang": signal.SIGSTOP,
-    "exception": signal.SIGUSR1,
-    "corrupt": signal.SIGUSR2,
+    "exception": signal.SIGRTMIN + 1,
+    "corrupt": signal.SIGRTMIN + 2,
+    "segfault": signal.SIGRTMIN + 3,
+    "stuck": signal.SIGRTMIN + 4,
+    "kill_host": signal.SIGKILL,  # every process of the host at once, by whatever powers hosts (netns: the launcher)
     "kill_spare": signal.SIGKILL,
     "kill_in_recovery": signal.SIGKILL,
     "kill_sender": signal.SIGKILL,
@@ -36,7 +73,7 @@ class FaultEvent:
     kind: str = "kill_worker"
     """One of KINDS."""
     rank: int = 1
-    """Target data-parallel rank (kill_worker, hang, exception, kill_in_recovery)."""
+    """Target data-parallel rank (kill_worker, hang, exception, corrupt, segfault, kill_in_recovery)."""
     step: int = 20
     """1-based step during which the fault strikes (the target has committed step - 1)."""
     mtbf_s: float = 60.0
@@ -45,12 +82,19 @@ class FaultEvent:
     """chaos: seed of the failure times and targets."""
     max_faults: int = 0
     """chaos: stop after this many (0: no limit)."""
+    host: int = 1
+    """kill_host: the training host (0-based) that loses power."""
+    where: str = "compute"
+    """stuck: where the rank's main thread blocks, `compute` (its forward/backward) or `collective` (the gradient
+    all-reduce), while its process and heartbeat live."""
 
     def check(self, *, max_steps: int) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}: choose one of {list(KINDS)}")
         if self.kind != "chaos" and not 1 <= self.step <= max_steps:
             raise ValueError(f"fault step {self.step} is outside the run's steps 1..{max_steps}")
+        if self.kind == "stuck" and self.where not in ("compute", "collective"):
+            raise ValueError(f"fault.where={self.where!r}: choose compute or collective")
         if self.kind == "chaos" and self.mtbf_s <= 0:
             raise ValueError("chaos needs a positive mtbf_s")
 
@@ -65,7 +109,7 @@ class Strike:
 
 
 class FaultInjector:
-    """Decides, from what the supervisor observes, when each fault event strikes and whom. Each event fires once
+    """Decides, from what the coordinator observes, when each fault event strikes and whom. Each event fires once
     (chaos: repeatedly), so a replayed step is not struck again."""
 
     def __init__(self, events: list[FaultEvent]) -> None:
@@ -101,7 +145,7 @@ class FaultInjector:
             target = self._target(
                 event, by_rank=by_rank, progress=progress, spares=spares, recovering=recovering, sender=sender
             )
-            # One strike per worker per look: two due at once (the supervisor looked late) would merge into one.
+            # One strike per worker per look: two due at once (the coordinator looked late) would merge into one.
             if target is not None and all(strike.worker != target for strike in strikes):
                 self.pending.remove(event)
                 strikes.append(Strike(event=event, worker=target, signum=SIGNALS[event.kind]))
@@ -136,24 +180,59 @@ class InjectedFault(RuntimeError):
     """The error an `exception` fault raises inside the model's forward."""
 
 
-def install_fault_handlers(module: torch.nn.Module) -> None:
-    """Turn injected signals into faults inside this worker: SIGUSR1 raises `InjectedFault` in `module`'s next
-    forward (a forward pre-hook checks a flag the handler sets: a handler must not raise inside native code);
-    SIGUSR2 silently adds 1.0 to one parameter element, between two Python operations of the main thread."""
-    requested = {"raise": False}
+def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEvent], replica=None) -> None:
+    """Turn the injected signals of the configured `faults` into faults inside this worker; without an `exception`,
+    `corrupt` or `segfault` among them it installs nothing (no handler, no hook). A handler must not raise inside
+    native code, so `exception` and `segfault` only set a flag that forward pre-hooks check: `exception` raises
+    `InjectedFault` in `module`'s next forward, `segfault` crashes the process natively in the next forward of any
+    of its submodules (still inside the step in progress when the signal lands mid-forward). `corrupt` silently adds
+    1.0 to one parameter element, between two Python operations of the main thread. `stuck` blocks the main thread
+    (heartbeats go on) in the next forward of any submodule, or at the next collective of `replica`."""
+    faults = list(faults)
+    kinds = {event.kind for event in faults}
+    requested = {"exception": False, "segfault": False, "stuck": False}
 
     def on_exception_signal(signum, frame) -> None:
-        requested["raise"] = True
+        requested["exception"] = True
+
+    def on_segfault_signal(signum, frame) -> None:
+        requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
         with torch.no_grad():
             next(module.parameters()).view(-1)[0] += 1.0
 
-    def pre_forward(mod, args) -> None:
-        if requested["raise"]:
-            requested["raise"] = False
+    def raise_if_requested(mod, args) -> None:
+        if requested["exception"]:
+            requested["exception"] = False
             raise InjectedFault("injected exception in forward (fault=exception)")
 
-    signal.signal(signal.SIGUSR1, on_exception_signal)
-    signal.signal(signal.SIGUSR2, on_corrupt_signal)
-    module.register_forward_pre_hook(pre_forward)
+    def crash_if_requested(mod, args) -> None:
+        if requested["segfault"]:
+            # A read of address 0 in native code: the kernel kills the process with SIGSEGV, as a bug in an
+            # extension would (no Python exception, nothing to catch).
+            ctypes.string_at(0)
+
+    def on_stuck_signal(signum, frame) -> None:
+        requested["stuck"] = True
+
+    def block_if_requested(*_) -> None:
+        if requested["stuck"]:
+            threading.Event().wait(STUCK_FOR_S)  # until fenced: a stuck kernel, a deadlock, a file read that hangs
+
+    if "stuck" in kinds:
+        signal.signal(SIGNALS["stuck"], on_stuck_signal)
+        if any(event.where == "collective" for event in faults if event.kind == "stuck"):
+            replica.collective_hooks.append(block_if_requested)
+        else:
+            for submodule in module.modules():
+                submodule.register_forward_pre_hook(block_if_requested)
+    if "exception" in kinds:
+        signal.signal(SIGNALS["exception"], on_exception_signal)
+        module.register_forward_pre_hook(raise_if_requested)
+    if "segfault" in kinds:
+        signal.signal(SIGNALS["segfault"], on_segfault_signal)
+        for submodule in module.modules():
+            submodule.register_forward_pre_hook(crash_if_requested)
+    if "corrupt" in kinds:
+        signal.signal(SIGNALS["corrupt"], on_corrupt_signal)

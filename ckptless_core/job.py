@@ -1,13 +1,12 @@
-"""What the supervisor is asked to run (`JobSpec`, with its `FaultToleranceSpec`) and what it reports back."""
+"""What the coordinator is asked to run (`JobSpec`, with its `FaultToleranceSpec`) and what it reports back."""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptless_core.faults import FaultEvent
+from ckptless_core.faults import FaultEvent, signal_name
 
 
 @dataclass
@@ -26,6 +25,13 @@ class FaultToleranceSpec:
     """World sizes the job can run at (the global batch must divide); empty: any."""
     settle_s: float = 0.3
     """How long a reported collective error waits for a process failure that explains it."""
+    host_timeout_s: float = 2.0
+    """A host whose agent is silent this long is lost with every process on it (the coordinator's clock)."""
+    stall_timeout_s: float = 10.0
+    """A step in which some rank has waited this long inside the collective for ranks that do not arrive (alive
+    but stuck) blames those ranks: they are fenced and replaced."""
+    progress_deadline_s: float = 600.0
+    """No committed step for this long ends the job (exit 4), naming the ranks that did not arrive."""
 
 
 @dataclass
@@ -48,6 +54,17 @@ class JobSpec:
     """Fault tolerance: spares, detection, policies."""
     faults: list[FaultEvent] = field(default_factory=list)
     """Faults to inject (tests, demos, benchmarks)."""
+    num_hosts: int = 1
+    """Training hosts: their agents (sorted by host name, first) get `nproc / num_hosts` workers each, in rank
+    order."""
+    spare_hosts: int = 0
+    """Hosts of spares only, `nproc / num_hosts` each; the job waits for `num_hosts + spare_hosts` agents."""
+    config_sha256: str = ""
+    """SHA-256 of the run's config file: an agent started with another run directory's config is refused."""
+
+
+WORKER_EXIT_TRAINING_CODE_ERROR = 5
+"""A worker's exit code when its training code raised the same error again on the replay of a step."""
 
 
 @dataclass
@@ -59,12 +76,15 @@ class JobOutcome:
     message: str
     """What happened, for the console."""
     reason: str = "completed"
-    """`completed`, `failed`, `no_progress` (repeated failures without a committed step), `interrupted`."""
+    """`completed`, `failed`, `no_progress` (repeated failures without a committed step), `training_code_error` (the
+    training code raised the same error again after a replay), `stopped`."""
+    error: str = ""
+    """The traceback of a `training_code_error`."""
 
 
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
+        return f"killed by {signal_name(-code)}"
     return f"exit code {code}"

@@ -1,4 +1,4 @@
-"""Who takes a failed worker's rank: the supervisor's policy as a pure function of the membership, the lost workers
+"""Who takes a failed worker's rank: the coordinator's policy as a pure function of the membership, the lost workers
 and the ready spares, so that every case can be read, and tested, without processes."""
 
 from __future__ import annotations

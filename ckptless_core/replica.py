@@ -1,6 +1,6 @@
 """A worker's side of checkpointless recovery: membership, the step as a re-executable unit, and recovery.
 
-    replica = Replica(env, ...)                 # connects to the supervisor's store, starts heartbeating
+    replica = Replica(env, ...)                 # connects to its node agent, starts heartbeating
     replica.attach(state_tensors(model, opt))   # what moves to a newcomer
     replica.start()                             # spares block here until promoted; then join + sync state
     while replica.step < max_steps:
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -25,21 +25,18 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ckptless_core.agent_link import AgentLink
 from ckptless_core.checkpoint import load_latest_checkpoint
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
-from ckptless_core.heartbeat import Heartbeat
-from ckptless_core.membership import (
-    NEW_GENERATION_SIGNAL,
-    STOP_KEY,
-    Generation,
-    current_generation_number,
-    report,
-    wait_for_generation,
-)
+from ckptless_core.protocol import FailureReport, Generation, Progress, Ready, SourceAnnounced
 from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, synchronize_state
 
 T = TypeVar("T")
+_PARKED: list = []
+"""(process group, its abandoned work) of generations left before that work ended. Module-level, so a group is
+never destroyed while its threads still wait on a lost peer: not when its Replica goes, nor when the worker exits
+(workers end with `os._exit`, as multiprocessing's children do)."""
 
 
 class PeerFailure(RuntimeError):
@@ -47,15 +44,20 @@ class PeerFailure(RuntimeError):
 
 
 class GenerationChanged(RuntimeError):
-    """The supervisor started a new generation (a failure elsewhere, or a spare joining)."""
+    """The coordinator started a new generation (a failure elsewhere, or a spare joining)."""
 
 
 class ReplicaDivergence(RuntimeError):
     """The replicas' state checksums disagree: silent corruption or divergence, repaired from the majority."""
 
 
+class TrainingCodeError(RuntimeError):
+    """The training step raised the same error again when it was replayed: a bug, not a failure. The job ends; no
+    spare is spent on it."""
+
+
 class StopRequested(Exception):
-    """The supervisor asked for a clean stop at a step boundary (preemption: SIGTERM to the launcher)."""
+    """The coordinator asked for a clean stop at a step boundary (preemption: SIGTERM to the launcher)."""
 
 
 class Replica:
@@ -78,6 +80,7 @@ class Replica:
         self.fault_tolerant = fault_tolerant
         self.check_every = check_every
         self.events = events
+        # The c10d store serves only the process groups' rendezvous; control goes through the agent link.
         self.store = dist.TCPStore(
             env.master_addr,
             env.master_port,
@@ -86,10 +89,12 @@ class Replica:
             wait_for_workers=False,
         )
         if fault_tolerant and not env.supervised:
-            raise ValueError("fault tolerance needs the ckptless supervisor (python -m launcher, or ckptless_core.run)")
-        self.heartbeat = Heartbeat(self.store, worker=env.worker, interval_s=heartbeat_interval_s)
+            raise ValueError(
+                "fault tolerance needs the ckptless coordinator (python -m launcher, or ckptless_core.run)"
+            )
+        self.link = AgentLink.from_environ(env.worker) if env.supervised else None
         if fault_tolerant:
-            self.heartbeat.start()
+            self.link.start_heartbeat(interval_s=heartbeat_interval_s)
         self.generation = Generation(number=0)
         self.tensors: dict[str, torch.Tensor] = {}
         self.step = 0
@@ -102,6 +107,14 @@ class Replica:
         """(step to reach, when the replay began) while a replay is in progress."""
         self.checkpoint_dir: Path | None = None
         """Where disk checkpoints are, for the fallback when no healthy replica holds the state."""
+        self.marker_interval_s = heartbeat_interval_s
+        """How often a main thread waiting in a collective renews its `collective_waiting` marker."""
+        self._pending: list = []
+        """Collective work of this generation abandoned in flight."""
+        self.collective_hooks: list[Callable[[], None]] = []
+        """Called as the main thread enters each collective (fault injection installs one for `stuck`)."""
+        self._last_local_error: tuple | None = None
+        """(step, error type, message) of the latest error raised by the training code itself."""
 
     @classmethod
     def from_environ(cls, *, collective_timeout_s: float = 60.0, check_every: int = 0) -> Replica:
@@ -130,24 +143,17 @@ class Replica:
 
     def interrupt_compute_on_new_generation(self, module: torch.nn.Module) -> None:
         """Let a new generation stop this rank's forward and backward passes at once: when a peer fails mid-step,
-        the survivors would otherwise finish computing a step whose collective can no longer succeed. The supervisor
-        signals the members of each new generation; the next forward pre-hook of any submodule, or gradient hook of
-        any parameter, then checks the generation and raises `GenerationChanged` if it moved on. Never the
-        collective or the optimizer update: those end on their own (peer gone) or must not be cut (critical section)."""
+        the survivors would otherwise finish computing a step whose collective can no longer succeed. The forward
+        pre-hook of every submodule and the gradient hook of every parameter compare the generation the agent link
+        last received (a local read) with this rank's, and raise `GenerationChanged` if it moved on. Never the
+        optimizer update: it must not be cut (critical section)."""
         if not self.fault_tolerant:
             return
-        requested = {"check": False}
-
-        def on_signal(signum, frame) -> None:
-            requested["check"] = True
 
         def check(*_) -> None:
-            if requested["check"]:
-                requested["check"] = False
-                if current_generation_number(self.store) != self.generation.number:
-                    raise GenerationChanged(f"generation {self.generation.number} ended during the step's compute")
+            if self._superseded():
+                raise GenerationChanged(f"generation {self.generation.number} ended during the step's compute")
 
-        signal.signal(NEW_GENERATION_SIGNAL, on_signal)
         for submodule in module.modules():
             submodule.register_forward_pre_hook(check)
         for parameter in module.parameters():
@@ -160,7 +166,7 @@ class Replica:
 
     def start(self) -> None:
         """Announce readiness; spares wait here (heartbeating) until a generation names them; then join it."""
-        report(self.store, "ready", self.env.worker)
+        self._send(Ready(worker=self.env.worker))
         self.events.emit("worker_ready")
         if self.env.supervised:
             generation = self._wait_for_membership(newer_than=0, timeout_s=None)
@@ -174,11 +180,12 @@ class Replica:
     def run_step(self, step_fn: Callable[[int], T]) -> T:
         """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again."""
         while True:
-            if self.store.check([STOP_KEY]) and self.step >= int(self.store.get(STOP_KEY)):
+            if self.link is not None and self.link.stop_at is not None and self.step >= self.link.stop_at:
                 raise StopRequested(f"stop requested before step {self.step + 1}")
             try:
-                if self.fault_tolerant and current_generation_number(self.store) != self.generation.number:
+                if self._superseded():
                     raise GenerationChanged(f"generation {self.generation.number} ended")
+                self._mark("step_entered")
                 result = step_fn(self.step)
             except Exception as error:
                 if not self.fault_tolerant:
@@ -186,8 +193,8 @@ class Replica:
                 self._recover(error)
                 continue
             self.step += 1
-            # Progress is reported in every mode: the supervisor's fault injector and reports read it.
-            report(self.store, "progress", self.env.worker, generation=self.generation.number, step=self.step)
+            # Progress is reported in every mode: the coordinator's fault injector and stall detection read it.
+            self._mark("committed")
             if self.replay is not None and self.step >= self.replay[0]:
                 self._phase("replay", started_at=self.replay[1], step=self.step)
                 self.replay = None
@@ -199,19 +206,63 @@ class Replica:
             return result
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the generation's ranks, bounded by the collective timeout; a failure is a PeerFailure."""
+        """Sum `tensor` over the generation's ranks, bounded by the collective timeout; a failure is a PeerFailure.
+
+        The main thread waits in short slices, renewing its `collective_waiting` marker (so the coordinator can tell
+        a rank waiting here from one whose main thread is stuck) and giving up at once when a new generation exists
+        (a peer lost without a connection reset would otherwise hold this rank for the whole timeout)."""
+        self._mark("collective_entered")
+        for hook in self.collective_hooks:
+            hook()
         if self.world_size == 1:
+            self._mark("collective_done")
             return
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        try:
-            work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
-            return
-        except RuntimeError as error:
-            message = f"all-reduce failed in generation {self.generation.number}: {error}"
-        # No reference to the failed work may outlive this frame (the raised error keeps the frame alive): it
-        # would keep the old process group, and its connections to peers still blocked on us, open.
-        del work
+        self._wait(work, what="all-reduce")
+        self._mark("collective_done")
+
+    def _wait(self, work, *, what: str) -> None:
+        started = last_mark = time.monotonic()
+        pause = 20e-6
+        while True:
+            try:
+                if work.is_completed():
+                    work.wait()  # raises the collective's error, if it failed
+                    return
+            except RuntimeError as error:
+                message = f"{what} failed in generation {self.generation.number}: {error}"
+                break
+            now = time.monotonic()
+            if self._superseded():
+                self._pending.append(work)  # kept until the abandoned group is released (see _leave_process_group)
+                raise GenerationChanged(f"generation {self.generation.number} ended during the {what}")
+            if now - started > self.collective_timeout_s:
+                self._pending.append(work)
+                message = (
+                    f"{what} timed out after {self.collective_timeout_s:.0f} s in generation {self.generation.number}"
+                )
+                break
+            if now - last_mark > self.marker_interval_s:
+                self._mark("collective_waiting")
+                last_mark = now
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
         raise PeerFailure(message)
+
+    def _superseded(self) -> bool:
+        """Whether the coordinator published a generation after this rank's (a local read of the agent link)."""
+        number = self.generation.number
+        return self.fault_tolerant and number > 0 and self.link.generation.number != number
+
+    def _mark(self, marker: str) -> None:
+        if self.link is not None:
+            self._send(
+                Progress(worker=self.env.worker, generation=self.generation.number, step=self.step, marker=marker)
+            )
+
+    def _send(self, message) -> None:
+        if self.link is not None:
+            self.link.send(message)
 
     def _verify_replicas(self, *, step: int) -> None:
         """Compare a cheap fingerprint (float64 sum of every state tensor, bit for bit) across the replicas. The
@@ -250,7 +301,8 @@ class Replica:
             with contextlib.suppress(RuntimeError):
                 dist.barrier(async_op=True).wait(timeout=timedelta(seconds=self.collective_timeout_s))
             dist.destroy_process_group()
-        self.heartbeat.stop()
+        if self.link is not None:
+            self.link.close()
 
     # --- recovery -------------------------------------------------------------------------------------------
 
@@ -265,16 +317,10 @@ class Replica:
         self.events.emit(
             "failure_noticed", generation=self.generation.number, step=self.step, cause=cause, error=str(error)[:500]
         )
+        if cause == "local_error":
+            self._replay_once(error)
         if cause != "generation_changed":
-            report(
-                self.store,
-                "failure",
-                self.env.worker,
-                generation=self.generation.number,
-                step=self.step,
-                kind="exception" if cause == "local_error" else "collective",
-                error=str(error)[:500],
-            )
+            self._report_failure(self.generation.number, "exception" if cause == "local_error" else "collective", error)
         # Leaving the old group at once releases peers still blocked in a collective with this rank.
         self._leave_process_group()
         generation = self._wait_for_membership(newer_than=self.generation.number, timeout_s=self.recovery_timeout_s)
@@ -291,15 +337,7 @@ class Replica:
                     raise
                 self.events.emit("join_failed", generation=generation.number, error=str(error)[:500])
                 if not isinstance(error, GenerationChanged):
-                    report(
-                        self.store,
-                        "failure",
-                        self.env.worker,
-                        generation=generation.number,
-                        step=self.step,
-                        kind="collective",
-                        error=str(error)[:500],
-                    )
+                    self._report_failure(generation.number, "collective", error)
                 self._leave_process_group()
                 generation = self._wait_for_membership(newer_than=generation.number, timeout_s=self.recovery_timeout_s)
 
@@ -315,13 +353,12 @@ class Replica:
             timeout=timedelta(seconds=self.collective_timeout_s),
         )
         self.generation = generation
-        self.heartbeat.generation = generation.number
         self.events.rank = self.rank
         rebuilt_at = time.time()
 
         def announce(source: int) -> None:
             if generation.number > 1 and self.rank == source:
-                report(self.store, "source", self.env.worker, generation=generation.number)
+                self._send(SourceAnnounced(worker=self.env.worker, generation=generation.number))
 
         try:
             result = synchronize_state(self.tensors, step=self.step, valid=self.valid, announce=announce)
@@ -377,11 +414,11 @@ class Replica:
         return TransferResult(step=self.step, source=-1, receivers=(self.rank,), bytes_moved=0)
 
     def _standalone_generation(self) -> Generation:
-        """Started by torchrun or by hand, without a ckptless supervisor: membership comes from RANK and
+        """Started by torchrun or by hand, without a ckptless coordinator: membership comes from RANK and
         WORLD_SIZE, and each torchrun restart attempt gets a store namespace of its own."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         members = {f"worker{rank}": rank for rank in range(self.env.world_size)}
-        return Generation(number=1 + attempt, members=members, reason="start")
+        return Generation(number=1 + attempt, members=members, reason="start", store_prefix=f"gen{1 + attempt}")
 
     def _rendezvous(self, generation: Generation) -> None:
         """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation
@@ -390,7 +427,7 @@ class Replica:
         self.store.add(prefix, 1)
         deadline = time.monotonic() + self.recovery_timeout_s
         while int(self.store.add(prefix, 0)) < generation.world_size:
-            if self.env.supervised and current_generation_number(self.store) != generation.number:
+            if self.link is not None and self.link.generation.number != generation.number:
                 raise GenerationChanged(f"generation {generation.number} was superseded while forming")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {generation.number} did not form within {self.recovery_timeout_s} s")
@@ -398,16 +435,16 @@ class Replica:
 
     def _wait_for_membership(self, *, newer_than: int, timeout_s: float | None) -> Generation:
         """The next generation that names this worker. A member left out (a shrink keeps the lowest ranks) turns
-        into a spare and waits, as spares do, for as long as its supervisor lives."""
+        into a spare and waits, as spares do, for as long as its agent lives."""
         while True:
             try:
-                generation = wait_for_generation(
-                    self.store, newer_than=newer_than, timeout_s=timeout_s if timeout_s is not None else 600.0
+                generation = self.link.wait_for_generation(
+                    newer_than=newer_than, timeout_s=timeout_s if timeout_s is not None else 600.0
                 )
             except TimeoutError:
                 if timeout_s is not None:
                     raise
-                continue  # an idle spare waits as long as its supervisor lives (it dies with it)
+                continue  # an idle spare waits as long as its agent lives (it dies with it)
             if self.env.worker in generation.members:
                 return generation
             if self.generation.number > 0 and self.valid:
@@ -418,9 +455,47 @@ class Replica:
             newer_than, timeout_s = generation.number, None
 
     def _leave_process_group(self) -> None:
+        """Leave the generation's process group at once, even with a collective still in flight: the group is
+        aborted (on torch 2.13 gloo that returns at once) and parked with its pending work, so destroying it does not
+        wait for threads still blocked on a lost peer; it is released once that work has ended (the peer's socket
+        closed or the collective timed out)."""
         if dist.is_initialized():
+            group = dist.distributed_c10d._get_default_group()
+            with contextlib.suppress(Exception):
+                group.abort()
+            _PARKED.append((group, self._pending))
+            self._pending = []
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        _PARKED[:] = [(g, works) for g, works in _PARKED if not all(w.is_completed() for w in works)]
+
+    def _replay_once(self, error: Exception) -> None:
+        """An error raised by the training code itself is replayed once (a transient fault goes away); the same
+        error on the same step again is a bug: reported with its traceback, and raised as TrainingCodeError."""
+        signature = (self.step, type(error).__name__, str(error))
+        if signature != self._last_local_error:
+            self._last_local_error = signature
+            return
+        text = "".join(traceback.format_exception(error))
+        self._send(
+            FailureReport(
+                worker=self.env.worker,
+                generation=self.generation.number,
+                step=self.step,
+                kind="bug",
+                error=text[-20000:],
+            )
+        )
+        raise TrainingCodeError(
+            f"step {self.step + 1} raised the same error again after a replay: {type(error).__name__}: {error}"
+        ) from error
+
+    def _report_failure(self, generation: int, kind: str, error: Exception) -> None:
+        self._send(
+            FailureReport(
+                worker=self.env.worker, generation=generation, step=self.step, kind=kind, error=str(error)[:500]
+            )
+        )
 
 
 def _resources() -> dict[str, int]:

@@ -5,7 +5,7 @@
 The script runs in every worker and hot spare (forked from a parent that imported torch once). It creates its
 `Replica` with `Replica.from_environ()`, attaches its state, and runs each step through `replica.run_step`; see
 `examples/train_mlp.py`. Outputs (logs, events) go to `--run-dir`. Exit codes: 0 completed, 3 failed,
-4 repeated failures without progress.
+4 repeated failures without progress, 5 the script raised the same error again after a replay.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ckptless_core.faults import KINDS, FaultEvent
 from ckptless_core.job import FaultToleranceSpec, JobSpec
-from ckptless_core.supervisor import Supervisor
+from ckptless_core.local_cluster import LocalCluster
 
 
 def run_script() -> int:
@@ -77,16 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         ),
         faults=options.fault,
     )
-    supervisor = Supervisor(spec)
+    cluster = LocalCluster(preload=spec.preload)
     try:
-        supervisor.start()
-        outcome = supervisor.wait()
+        cluster.start(spec)
+        outcome = cluster.wait()
     except KeyboardInterrupt:
         return 130
     finally:
-        supervisor.close()
+        cluster.close()
+    if outcome.error:
+        print(outcome.error, file=sys.stderr, flush=True)
     print(f"{'completed' if outcome.ok else 'FAILED'}: {outcome.message}; logs and events in {run_dir}")
-    return 0 if outcome.ok else 4 if outcome.reason == "no_progress" else 3
+    return {"completed": 0, "no_progress": 4, "training_code_error": 5}.get(outcome.reason, 3)
 
 
 if __name__ == "__main__":

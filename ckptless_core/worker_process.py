@@ -1,4 +1,4 @@
-"""What runs first inside a forked worker: tie its life to the supervisor, redirect its output, call the entry."""
+"""What runs first inside a forked worker: tie its life to its node agent, redirect its output, call the entry."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 
-def run_worker(
-    *, entry: str, env: dict[str, str], log_path: str, threads: int, supervisor_pid: int, nice: int = 0
-) -> None:
-    """Worker process body: never outlives the supervisor, logs to its own file, then runs `module:function`."""
-    _exit_with_supervisor(supervisor_pid)
+def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, agent_pid: int, nice: int = 0) -> None:
+    """Worker process body: never outlives its node agent, logs to its own file, then runs `module:function`."""
+    _exit_with_agent(agent_pid)
     if nice:
         os.nice(nice)  # a replacement spare builds at low priority, so it does not slow the job it will serve
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -25,26 +24,37 @@ def run_worker(
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.environ.update(env)
-    # Ctrl-C and preemption often reach every process of the job; the supervisor decides how workers stop.
+    # Ctrl-C and preemption often reach every process of the job; the coordinator decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Slurm's `--signal` or an operator's `kill -USR1` may reach workers too, and the default action of SIGUSR1 and
+    # SIGUSR2 is to terminate: a stray signal must change nothing (injected faults use real-time signals of their own).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
     import torch
+
+    from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
+    from ckptless_core.replica import TrainingCodeError
 
     torch.set_num_threads(threads)
     module_name, _, function_name = entry.partition(":")
     function = getattr(importlib.import_module(module_name), function_name)
-    code = function()
+    try:
+        code = function()
+    except TrainingCodeError:
+        traceback.print_exc()
+        code = WORKER_EXIT_TRAINING_CODE_ERROR
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code or 0)
 
 
-def _exit_with_supervisor(pid: int) -> None:
-    """SIGKILL this worker as soon as the supervisor process is gone, however it ended.
+def _exit_with_agent(pid: int) -> None:
+    """SIGKILL this worker as soon as its node agent is gone, however it ended.
 
     The fork server's children keep its lifeline pipe open, so the fork server cannot take them down with it;
-    each worker watches the supervisor itself (a pidfd on Linux, polling elsewhere).
+    each worker watches its agent itself (a pidfd on Linux, polling elsewhere).
     """
     try:
         pidfd = os.pidfd_open(pid)
@@ -61,7 +71,7 @@ def _exit_with_supervisor(pid: int) -> None:
                 time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:

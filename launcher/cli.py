@@ -30,7 +30,8 @@ After a run:
   python -m launcher.simulate            the same trade-off at 64 to 131,072 accelerators (--help)
 
 Exit codes: 0 completed, 2 bad input (nothing started), 3 the job failed while running,
-  4 repeated failures without progress, 130 interrupted."""
+  4 repeated failures without progress, 5 the training code raised the same error again after a replay
+  (a bug: traceback shown), 130 interrupted."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return EXIT_OK
     print_cfg = _pop_cfg_flag(args)
+    cluster = None
     try:
         composed = compose_job(args)
         if print_cfg:
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         job = composed.job
         if not job.dry_run:
-            warm_up_workers(job)
+            cluster = warm_up_workers(job)
         run_dir = resolve_run_dir(job, recipe=composed.recipe)
         plan = build_plan(job)
         if job.dry_run:
@@ -56,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(job, plan)
         check_run_dir(run_dir, overwrite=job.run.overwrite, resume=job.resume)
         prepare(job)
-    except ConfigError as error:
-        return _bad_input(error)
-    except ValueError as error:  # the recipe's checks (data, tokenizer, model fields) raise ValueError
+    except ValueError as error:  # ConfigError, and the recipe's checks (data, tokenizer, model fields)
+        if cluster is not None:
+            cluster.close()
         return _bad_input(error)
     create_run_dir(run_dir)
     save_config(job, run_dir / "config.yaml")
     print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir), flush=True)
-    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=PROCESS_STARTED_AT)
+    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=PROCESS_STARTED_AT, cluster=cluster)
 
 
 def help_text() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -12,12 +13,19 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from ckptless_core.faults import FaultEvent
+from ckptless_core.netns import NetnsUnavailable
+from ckptless_core.netns import check_available as check_netns_available
 from launcher.errors import ConfigError
-from recipes.schema import JobConfig
+from recipes.schema import ClusterConfig, JobConfig, OptimConfig
 
 CONFIG_MODULE = "configs"
 VALID_PRECISIONS = ("fp32", "bf16")
 VALID_BACKENDS = ("auto", "gloo", "nccl")
+CLUSTER_KINDS = ("local", "netns", "hosts")
+FAULT_KINDS_WITHOUT_RANK = ("chaos", "kill_sender", "kill_spare")
+"""Fault kinds whose target is chosen while the job runs (a random rank, the state sender, a spare), not by
+`fault.rank`; every other kind strikes the rank it names."""
 
 
 @dataclass(frozen=True)
@@ -43,18 +51,49 @@ def compose_job(overrides: list[str]) -> ComposedJob:
         job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.to_container(cfg)))
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
+    resolve_cluster_sizes(job.cluster)
     validate(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
+
+
+def resolve_cluster_sizes(cluster: ClusterConfig) -> None:
+    """One set of names for every cluster kind: `nproc` = `num_hosts` x `nproc_per_host`; either side may be given
+    (null `nproc`, or `nproc_per_host` 0, is derived from the other)."""
+    if cluster.kind not in CLUSTER_KINDS:
+        raise ConfigError(f"cluster.kind={cluster.kind!r}: choose one of {list(CLUSTER_KINDS)} (cluster=<kind>)")
+    if cluster.num_hosts < 1 or cluster.nproc_per_host < 0 or cluster.spare_hosts < 0:
+        raise ConfigError(
+            "cluster.num_hosts must be at least 1, cluster.nproc_per_host and cluster.spare_hosts 0 or more"
+        )
+    if cluster.kind == "local" and (cluster.num_hosts != 1 or cluster.spare_hosts):
+        raise ConfigError(
+            "cluster=local is one host: for several, use cluster=netns (emulated hosts on this machine) or "
+            "cluster=hosts (agents on real hosts)"
+        )
+    if cluster.nproc is None:
+        cluster.nproc = cluster.num_hosts * max(cluster.nproc_per_host, 1)
+    if not cluster.nproc_per_host:
+        if cluster.nproc % cluster.num_hosts:
+            raise ConfigError(
+                f"cluster.nproc={cluster.nproc} workers do not divide over cluster.num_hosts={cluster.num_hosts} hosts; "
+                "set cluster.nproc_per_host (and cluster.nproc=null) instead"
+            )
+        cluster.nproc_per_host = cluster.nproc // cluster.num_hosts
+    if cluster.nproc != cluster.num_hosts * cluster.nproc_per_host:
+        raise ConfigError(
+            f"cluster.nproc={cluster.nproc} is not cluster.num_hosts ({cluster.num_hosts}) x cluster.nproc_per_host "
+            f"({cluster.nproc_per_host}); set cluster.nproc=null to derive it"
+        )
 
 
 def validate(job: JobConfig) -> None:
     """Checks across fields that types alone cannot express; each message names the field and a fix."""
     trainer, cluster = job.trainer, job.cluster
-    if cluster.kind != "local":
-        raise ConfigError(
-            f"cluster.kind={cluster.kind!r} is not available yet: this version runs cluster=local only "
-            "(Slurm, Kubernetes and multi-node clusters come later)"
-        )
+    if cluster.kind == "netns":
+        try:
+            check_netns_available()
+        except NetnsUnavailable as error:
+            raise ConfigError(str(error)) from None
     for name, value in (
         ("trainer.max_steps", trainer.max_steps),
         ("trainer.global_batch_size", trainer.global_batch_size),
@@ -81,8 +120,7 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks; use cluster.backend=gloo")
     if cluster.threads_per_worker < 0:
         raise ConfigError(f"cluster.threads_per_worker={cluster.threads_per_worker} must be 0 (auto) or more")
-    if job.optim.warmup_steps < 0 or len(job.optim.betas) != 2:
-        raise ConfigError("optim.warmup_steps must be >= 0 and optim.betas a list of two numbers")
+    validate_optim(job.optim)
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
     validate_fault_tolerance(job)
@@ -91,6 +129,27 @@ def validate(job: JobConfig) -> None:
             f"resume={job.resume}: no disk checkpoint there (checkpoints/step_*.safetensors); resume needs a run "
             "that had ft.checkpoint_every set"
         )
+
+
+def validate_optim(optim: OptimConfig) -> None:
+    """What AdamW and the schedule would refuse (or silently mistrain with) in every worker, refused here."""
+    if not (math.isfinite(optim.lr) and optim.lr > 0):
+        raise ConfigError(f"optim.lr={optim.lr} must be a positive learning rate, e.g. optim.lr=3e-4")
+    if len(optim.betas) != 2 or not all(0 <= beta < 1 for beta in optim.betas):
+        raise ConfigError(
+            f"optim.betas={list(optim.betas)} must be two numbers, each in [0, 1), e.g. optim.betas=[0.9,0.95]"
+        )
+    if not (math.isfinite(optim.eps) and optim.eps > 0):
+        raise ConfigError(f"optim.eps={optim.eps} must be positive (it keeps AdamW's division finite), e.g. 1e-8")
+    if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
+        raise ConfigError(f"optim.weight_decay={optim.weight_decay} must be 0 (none) or more, e.g. 0.1")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"optim.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]: the final learning rate as a fraction "
+            "of optim.lr (0: decay to zero, 1: constant after warmup)"
+        )
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be 0 (no warmup) or more")
 
 
 def validate_fault_tolerance(job: JobConfig) -> None:
@@ -114,17 +173,46 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError("ft.heartbeat_interval_s, ft.heartbeat_timeout_s and ft.recovery_timeout_s must be positive")
     if ft.heartbeat_timeout_s <= 2 * ft.heartbeat_interval_s:
         raise ConfigError("ft.heartbeat_timeout_s must exceed two heartbeat intervals (ft.heartbeat_interval_s)")
-    for event in job.fault.events():
+    nproc = job.cluster.nproc
+    for name, event in _named_fault_events(job):
         try:
             event.check(max_steps=job.trainer.max_steps)
         except ValueError as error:
-            raise ConfigError(f"fault: {error} (trainer.max_steps={job.trainer.max_steps})") from None
-        if event.kind not in ("chaos", "kill_sender", "kill_spare") and not 0 <= event.rank < job.cluster.nproc:
-            raise ConfigError(f"fault.rank={event.rank} is not a rank of this job (cluster.nproc={job.cluster.nproc})")
+            raise ConfigError(f"{name}: {error} (trainer.max_steps={job.trainer.max_steps})") from None
+        if event.kind == "kill_host":
+            _validate_kill_host(job, name, event)
+        elif event.kind not in FAULT_KINDS_WITHOUT_RANK and not 0 <= event.rank < nproc:
+            raise ConfigError(
+                f"{name}.rank={event.rank} is not a rank of this job: cluster.nproc={nproc} has ranks 0..{nproc - 1}; "
+                "choose one of them or raise cluster.nproc"
+            )
+
+
+def _validate_kill_host(job: JobConfig, name: str, event: FaultEvent) -> None:
+    cluster = job.cluster
+    if cluster.kind != "netns":
+        raise ConfigError(
+            f"{name}: kill_host powers a host off, which only emulated hosts allow: use cluster=netns "
+            f"(this run is cluster={cluster.kind})"
+        )
+    if not 0 <= event.host < cluster.num_hosts:
+        raise ConfigError(
+            f"{name}.host={event.host} is not a training host: cluster.num_hosts={cluster.num_hosts} has hosts "
+            f"0..{cluster.num_hosts - 1}"
+        )
+    if cluster.num_hosts == 1 and job.ft.mode == "ckptless" and not cluster.spare_hosts:
+        raise ConfigError(f"{name}: losing the only training host leaves no rank; add cluster.spare_hosts=1")
+
+
+def _named_fault_events(job: JobConfig) -> list[tuple[str, FaultEvent]]:
+    """The run's fault events (as `FaultConfig.events` lists them), each with the config field that sets it."""
+    fault = job.fault
+    first = [] if fault.kind == "none" else [("fault", fault)]
+    return first + [(f"fault.more[{i}]", event) for i, event in enumerate(fault.more)]
 
 
 def _validate_checkpoint_restart(job: JobConfig) -> None:
-    """The baseline has no spares and no supervisor in the workers' loop: only faults that exist without them."""
+    """The baseline has no spares and no coordinator in the workers' loop: only faults that exist without them."""
     if job.ft.spares:
         raise ConfigError(
             f"ft.spares={job.ft.spares}: hot spares are part of ft=ckptless; ft=checkpoint_restart restarts every "
@@ -132,7 +220,12 @@ def _validate_checkpoint_restart(job: JobConfig) -> None:
         )
     if job.ft.checkpoint_every == 0:
         raise ConfigError("ft=checkpoint_restart recovers from disk checkpoints: set ft.checkpoint_every to auto or N")
-    allowed = ("kill_worker", "exception", "hang", "chaos")
+    if job.cluster.kind != "local":
+        raise ConfigError(
+            f"ft=checkpoint_restart runs under torchrun on cluster=local; cluster={job.cluster.kind} runs ft=ckptless "
+            "or ft=none"
+        )
+    allowed = ("kill_worker", "exception", "segfault", "hang", "chaos")
     for event in job.fault.events():
         if event.kind not in allowed:
             raise ConfigError(

@@ -10,6 +10,8 @@ EXIT_JOB_FAILED = 3
 """The job started and failed while running (a worker died or raised); see summary.json and logs/."""
 EXIT_NO_PROGRESS = 4
 """Repeated failures without a committed step in between (`ft.max_failures_without_progress`): the job gave up."""
+EXIT_TRAINING_CODE_ERROR = 5
+"""The training code raised the same error again after a replay of the step: a bug, not a failure (traceback shown)."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C or SIGTERM."""
 

@@ -1,16 +1,20 @@
-"""The local cluster backend: hands the job to a `ckptless_core` supervisor (or, for the checkpoint-restart
-baseline, to torchrun) on this machine, and reports."""
+"""The local cluster backend: hands the job to a `ckptless_core` coordinator with one node agent on this machine
+(or, for the checkpoint-restart baseline, to torchrun), and reports."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
+from ckptless_core.agent import config_sha256
+from ckptless_core.coordinator import Coordinator
 from ckptless_core.events import read_events
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
-from ckptless_core.supervisor import Supervisor, start_fork_server
-from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK
+from ckptless_core.local_cluster import LocalCluster, NetnsCluster
+from ckptless_core.protocol import new_secret, write_secret_file
+from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_TRAINING_CODE_ERROR
 from launcher.goodput import report_from_events
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
@@ -21,41 +25,54 @@ from recipes.pretrain import worker_preload
 from recipes.schema import JobConfig
 
 ENTRY = "recipes.pretrain:main"
+SECRET_FILE = "control.secret"
+"""In the run directory, mode 0600: the job's secret, for agents started on other hosts (`cluster=hosts`)."""
 
 
-def warm_up_workers(job: JobConfig) -> None:
-    """Start the fork server now: its imports (torch, transformers, the model's code) overlap the launcher's
-    own checks, and every worker forked from it later starts without paying for them. (torchrun, for the
-    checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of what it is measured on.)"""
-    if job.ft.mode != "checkpoint_restart":
-        start_fork_server(worker_preload(job))
+def warm_up_workers(job: JobConfig) -> LocalCluster | None:
+    """Start the coordinator and the node agent now: the agent's fork server imports (torch, transformers, the
+    model's code) overlap the launcher's own checks, and every worker forked from it later starts without paying for
+    them. (torchrun, for the checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of
+    what it is measured on.)"""
+    if job.ft.mode == "checkpoint_restart" or job.cluster.kind == "hosts":
+        return None  # agents on real hosts join once the run directory (and its secret file) exists
+    if job.cluster.kind == "netns":
+        return NetnsCluster(num_hosts=job.cluster.num_hosts + job.cluster.spare_hosts, preload=worker_preload(job))
+    return LocalCluster(preload=worker_preload(job))
 
 
-def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) -> int:
-    """Run the job on this machine: under the ckptless supervisor, or under torchrun for `ft=checkpoint_restart`."""
+def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, cluster: Coordinator | None) -> int:
+    """Run the job on this machine: under the ckptless coordinator, or under torchrun for `ft=checkpoint_restart`."""
     threads = threads_per_worker(job)
     if job.ft.mode == "checkpoint_restart":
         supervisor = TorchrunJob(job, run_dir=run_dir, threads_per_worker=threads)
+        start = supervisor.start
     else:
-        supervisor = Supervisor(
-            JobSpec(
-                entry=ENTRY,
-                nproc=job.cluster.nproc,
-                run_dir=run_dir,
-                preload=worker_preload(job),
-                threads_per_worker=threads,
-                store_timeout_s=job.cluster.start_timeout_s,
-                ft=fault_tolerance_spec(job),
-                faults=job.fault.events(),
-            )
+        supervisor = cluster or hosts_coordinator(job, run_dir=run_dir)
+        spec = JobSpec(
+            entry=ENTRY,
+            nproc=job.cluster.nproc,
+            run_dir=run_dir,
+            preload=worker_preload(job),
+            threads_per_worker=threads,
+            store_timeout_s=job.cluster.start_timeout_s,
+            ft=fault_tolerance_spec(job),
+            faults=job.fault.events(),
+            num_hosts=job.cluster.num_hosts,
+            spare_hosts=job.cluster.spare_hosts,
+            config_sha256=config_sha256(run_dir),
         )
+
+        def start() -> None:
+            supervisor.start(spec)
+
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     interrupted = False
     try:
-        supervisor.start()
+        start()
         outcome = _watch(supervisor, progress)
     except KeyboardInterrupt:
         interrupted = True
@@ -85,6 +102,8 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
     write_summary(run_dir, summary)
     for line in describe_recoveries(summary):
         print(line)
+    if outcome.error:
+        print(outcome.error, file=sys.stderr, end="" if outcome.error.endswith("\n") else "\n", flush=True)
     if summary["steps"]:
         print(short_form(report) + f" (details: python -m launcher.report {run_dir})")
     print(_one_line(summary, run_dir), flush=True)
@@ -92,16 +111,41 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float) 
         return EXIT_INTERRUPTED
     if outcome.reason == "no_progress":
         return EXIT_NO_PROGRESS
+    if outcome.reason == "training_code_error":
+        return EXIT_TRAINING_CODE_ERROR
     return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
 
 
+def hosts_coordinator(job: JobConfig, *, run_dir: Path) -> Coordinator:
+    """`cluster=hosts`: the coordinator binds `cluster.coordinator_address`; the job's secret goes to a file only its
+    owner reads, before any agent starts; the command each host runs is printed."""
+    secret = new_secret()
+    secret_file = run_dir / SECRET_FILE
+    write_secret_file(secret_file, secret)
+    coordinator = Coordinator(
+        secret=secret, bind_address=job.cluster.coordinator_address, port=job.cluster.coordinator_port
+    )
+    address, port = coordinator.address
+    total = job.cluster.num_hosts + job.cluster.spare_hosts
+    print(
+        f"waiting up to {job.cluster.start_timeout_s:.0f} s for {total} node agent(s); on each host run:\n"
+        f"  python -m ckptless_core.agent --coordinator {address}:{port} --secret-file {secret_file} "
+        f"--run-dir {run_dir} --host <name> [--ifname <interface>] --preload {' '.join(worker_preload(job))}",
+        flush=True,
+    )
+    return coordinator
+
+
 def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
-    """The supervisor's view of `ft.*`, plus the world sizes the global batch allows when shrinking."""
+    """The coordinator's view of `ft.*`, plus the world sizes the global batch allows when shrinking."""
     per_rank = job.trainer.micro_batch_size
     return FaultToleranceSpec(
         enabled=job.ft.mode == "ckptless",
         spares=job.ft.spares if job.ft.mode == "ckptless" else 0,
         heartbeat_timeout_s=job.ft.heartbeat_timeout_s,
+        host_timeout_s=job.ft.host_timeout_s,
+        stall_timeout_s=job.ft.stall_timeout_s,
+        progress_deadline_s=job.ft.progress_deadline_s,
         on_no_spare=job.ft.on_no_spare,
         max_failures_without_progress=job.ft.max_failures_without_progress,
         world_sizes=tuple(
@@ -111,7 +155,7 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
 
 
 def _watch(
-    supervisor: Supervisor | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
+    supervisor: LocalCluster | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
 ) -> JobOutcome | None:
     while (outcome := supervisor.poll()) is None and time.monotonic() < deadline:
         progress.update()
@@ -119,7 +163,7 @@ def _watch(
     return outcome
 
 
-def _stop_cleanly(supervisor: Supervisor | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+def _stop_cleanly(supervisor: LocalCluster | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
     """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
     checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
     print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)

@@ -91,7 +91,7 @@ def _activation_bytes(job: JobConfig, config) -> int:
 
 
 def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "$MASTER_PORT") -> list[str]:
-    """What each worker runs, as shell commands: the supervisor forks the same entry with the same environment
+    """What each worker runs, as shell commands: the node agent forks the same entry with the same environment
     from a pre-imported parent. The store port is chosen at start; by hand, export MASTER_PORT first."""
     n = job.cluster.nproc
     quoted_dir = shlex.quote(str(run_dir))

@@ -19,6 +19,7 @@ RUN_OUTPUTS = (
     "events",
     "logs",
     "checkpoints",
+    "control.secret",
 )
 """What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
 go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to

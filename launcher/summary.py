@@ -39,6 +39,7 @@ def build_summary(
     return {
         "status": status,
         "message": message,
+        "error": outcome.error,
         "recipe": recipe,
         "ft_mode": mode,
         "steps": max((e["step"] for e in committed), default=0),
@@ -62,7 +63,7 @@ def build_summary(
 
 
 def failures(events: list[dict]) -> list[dict]:
-    """Each failure detected: when, which worker and rank, what kind, how it was seen (by the ckptless supervisor;
+    """Each failure detected: when, which worker and rank, what kind, how it was seen (by the ckptless coordinator;
     under torchrun, from the processes the launcher saw exit)."""
     if any(e["event"] == "torchrun_started" for e in events):
         events = with_attempts(events)
@@ -97,7 +98,7 @@ def failures(events: list[dict]) -> list[dict]:
 
 def recoveries(events: list[dict]) -> list[dict]:
     """One entry per generation started by a failure, from the `recovery_phase` events: detect (failure to
-    detection, by the supervisor), rebuild (the new generation's process group), transfer (agree on the step and
+    detection, by the coordinator), rebuild (the new generation's process group), transfer (agree on the step and
     move state), replay (until the interrupted step is committed again); `time_to_recover_s` spans them all."""
     phases = [e for e in events if e["event"] == "recovery_phase"]
     result = []

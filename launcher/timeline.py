@@ -1,7 +1,7 @@
 """A run's timeline: what each worker was doing when (`timeline`), and the picture of it (`plot_timeline`).
 
 One row per worker process name, built from the events by a small state machine per row. Checkpointless runs (a
-supervisor) and the torchrun checkpoint-restart baseline (`torchrun_started`, several attempts per row) differ in how a
+coordinator) and the torchrun checkpoint-restart baseline (`torchrun_started`, several attempts per row) differ in how a
 failure plays out, so each has its own event handler; the write intervals of checkpoints are laid over the rows last.
 """
 
@@ -111,7 +111,7 @@ class _CkptlessRows:
 
     def __call__(self, event: dict[str, Any], at_s: float) -> None:
         kind = event["event"]
-        if event["worker"] == "supervisor":
+        if event["worker"] == "coordinator":
             if "worker_name" not in event:
                 return
             row = self.row(event["worker_name"])

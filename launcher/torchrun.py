@@ -3,7 +3,7 @@
 torchrun (`torch.distributed.run --max-restarts`) starts the workers; on any failure it stops them all and starts the
 whole group again, and every worker reloads the latest disk checkpoint and redoes the steps since. The launcher only
 watches: it follows the workers' event files (pids, attempts, committed steps) to show progress and to inject the
-configured faults, exactly as the ckptless supervisor does, so both modes face the same failures.
+configured faults, exactly as the ckptless coordinator does, so both modes face the same failures.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ckptless_core.events import EventLog
-from ckptless_core.faults import FaultInjector
+from ckptless_core.faults import FaultInjector, signal_name
 from ckptless_core.job import JobOutcome, describe_exit
 from recipes.schema import JobConfig
 
@@ -94,7 +94,7 @@ class WorkerWatch:
 
 
 class TorchrunJob:
-    """Runs the job under torchrun; the same `start` / `poll` / `request_stop` / `close` as the ckptless supervisor."""
+    """Runs the job under torchrun; the same `start` / `poll` / `request_stop` / `close` as the ckptless coordinator."""
 
     def __init__(self, job: JobConfig, *, run_dir: Path, threads_per_worker: int) -> None:
         self.job = job
@@ -194,7 +194,7 @@ class TorchrunJob:
                 kind=strike.event.kind,
                 worker_name=strike.worker,
                 target_rank=worker["rank"],
-                signal=signal.Signals(strike.signum).name,
+                signal=signal_name(strike.signum),
                 step=worker["step"] + 1,
                 attempt=worker["attempt"],
             )

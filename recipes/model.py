@@ -10,14 +10,20 @@ from recipes.schema import ModelConfig
 
 
 def build_hf_config(config: ModelConfig):
-    """The transformers config for `config`; unknown fields are refused, not silently ignored."""
+    """The transformers config for `config`; unknown fields, and values the config class rejects, raise a
+    ValueError naming the field, not silently ignored or left to a worker's traceback."""
     from transformers import AutoConfig
 
     if config.pretrained is not None:
         path = Path(config.pretrained)
         if not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained={config.pretrained!r} is not a directory with a config.json")
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except _rejections() as error:
+            raise ValueError(
+                f"model.pretrained={config.pretrained!r}: transformers rejects its config.json: {_reason(error)}"
+            ) from error
     else:
         fields = dict(config.hf_config)
         model_type = fields.pop("model_type", None)
@@ -33,7 +39,13 @@ def build_hf_config(config: ModelConfig):
                 f"model.hf_config has fields that {type(defaults).__name__} does not know: {unknown}; "
                 "check their spelling against the transformers config class"
             )
-        hf_config = AutoConfig.for_model(model_type, **fields)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **fields)
+        except _rejections() as error:
+            raise ValueError(
+                f"model.hf_config is rejected by {type(defaults).__name__}: {_reason(error)}; "
+                "change the model.hf_config fields it names"
+            ) from error
     hf_config._attn_implementation = config.attn_implementation
     return hf_config
 
@@ -47,7 +59,8 @@ def _init_argument_names(config_class) -> set[str]:
 def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The causal LM with its weights: loaded from `model.pretrained`, else initialised from the global torch seed.
 
-    On the meta device nothing is allocated: used for planning models larger than the machine.
+    On the meta device nothing is allocated: the launcher's plan builds every job's model there before any worker
+    starts, so a config the model class rejects is refused (ValueError naming the field) as bad input.
     """
     from transformers import AutoModelForCausalLM
 
@@ -58,4 +71,27 @@ def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> t
         )
         return model.to(device)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        try:
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        except _rejections() as error:
+            field = "model.hf_config" if config.pretrained is None else f"model.pretrained={config.pretrained!r}"
+            raise ValueError(
+                f"{field}: transformers cannot build the model ({type(hf_config).__name__}): {_reason(error)}"
+            ) from error
+
+
+def _rejections() -> tuple[type[BaseException], ...]:
+    """What transformers raises for field values its config or model classes reject: huggingface_hub's
+    validation errors, and whatever arithmetic or lookup on the values fails first (a zero head count, an
+    unknown activation or rope type). Memory and device errors are not among them: those are not the config's."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (StrictDataclassError, ValueError, TypeError, KeyError, ArithmeticError)
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost message, on one line: huggingface_hub wraps a validator's ValueError in its own error."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(str(error).split()).rstrip(".")
+    return text if isinstance(error, ValueError) and text else f"{type(error).__name__}: {text}"

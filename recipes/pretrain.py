@@ -1,7 +1,7 @@
 """The pretraining entry point: one data-parallel worker (or hot spare) of a causal-LM pretraining job.
 
-Started by the launcher's supervisor (forked from a pre-imported parent, environment set); it reads
-`<run_dir>/config.yaml`, joins the supervisor's store and trains. It also runs under torchrun (plain data
+Started by a node agent (forked from its pre-imported fork server, environment set); it reads
+`<run_dir>/config.yaml`, joins its generation and trains. It also runs under torchrun (plain data
 parallelism, no recovery), e.g. `CKPTLESS_RUN_DIR=<run_dir> torchrun --nproc-per-node 2 -m recipes.pretrain`. Everything fault tolerance needs is behind the
 `Replica`: the loop below only runs steps through it.
 """
@@ -27,7 +27,8 @@ from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
 from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.replica import Replica, StopRequested
+from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
+from ckptless_core.replica import Replica, StopRequested, TrainingCodeError
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
@@ -133,7 +134,7 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
-    install_fault_handlers(state.model)
+    install_fault_handlers(state.model, faults=job.fault.events(), replica=replica)
     replica.interrupt_compute_on_new_generation(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     if replica.env.spare:
@@ -244,7 +245,7 @@ def main(config_path: str | None = None) -> int:
     env = WorkerEnv.from_environ()
     run_dir = Path(os.environ.get("CKPTLESS_RUN_DIR") or Path(config_path).parent)
     job = load_config(config_path or run_dir / "config.yaml")
-    # Under a ckptless supervisor the rank comes from the generation a worker joins; under torchrun it is fixed.
+    # Under the ckptless coordinator the rank comes from the generation a worker joins; under torchrun it is fixed.
     events = EventLog(
         run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=None if env.supervised else env.rank
     )
@@ -264,7 +265,11 @@ def main(config_path: str | None = None) -> int:
             fault_tolerant=job.ft.mode == "ckptless" and env.supervised,
         )
         train(job, replica, run_dir=run_dir, events=events)
-    except Exception as error:  # noqa: BLE001 - any failure is reported, then the supervisor decides
+    except TrainingCodeError as error:
+        traceback.print_exc()
+        events.emit("worker_error", error=f"{type(error).__name__}: {error}")
+        return WORKER_EXIT_TRAINING_CODE_ERROR
+    except Exception as error:  # noqa: BLE001 - any failure is reported, then the coordinator decides
         traceback.print_exc()
         events.emit("worker_error", error=f"{type(error).__name__}: {error}")
         return 1

@@ -96,9 +96,21 @@ class OptimConfig:
 @dataclass
 class ClusterConfig:
     kind: str = "local"
-    """Where workers run. Only `local` (this machine) exists for now."""
-    nproc: int = 2
-    """Data-parallel worker processes."""
+    """Where workers run: `local` (one host: this machine), `netns` (emulated hosts on this machine, each its own
+    network, PID and UTS namespace; needs root) or `hosts` (node agents started by hand on real hosts)."""
+    nproc: int | None = 2  # noqa: UP007 - OmegaConf reads `typing.Optional`
+    """Data-parallel workers in all (spares not counted); null: `num_hosts` x `nproc_per_host`."""
+    num_hosts: int = 1
+    """Training hosts (spare hosts not counted); each runs a node agent."""
+    nproc_per_host: int = 0
+    """Workers per training host; 0: `nproc` / `num_hosts`."""
+    spare_hosts: int = 0
+    """Whole hosts of `nproc_per_host` hot spares each, beside `ft.spares` spare workers on the training hosts."""
+    coordinator_address: str = "127.0.0.1"
+    """`hosts`: the address of this machine the coordinator binds and agents connect to (its control channel and
+    the collective backend's rendezvous store listen there only)."""
+    coordinator_port: int = 0
+    """`hosts`: the control channel's port (0: any free port, printed with the agent command)."""
     backend: str = "auto"
     """Collective backend: `auto` (NCCL when CUDA is present, else gloo), `gloo` or `nccl`."""
     threads_per_worker: int = 0
@@ -122,6 +134,13 @@ class FtConfig:
     """How often each worker reports that it is alive."""
     heartbeat_timeout_s: float = 5.0
     """A worker silent this long is declared hung, fenced (SIGKILL) and replaced."""
+    host_timeout_s: float = 2.0
+    """A host whose node agent is silent this long is lost with every process on it, and its ranks replaced."""
+    stall_timeout_s: float = 10.0
+    """A rank alive but not arriving at a collective that the others have waited in this long is blamed for the
+    stall (stuck main thread), fenced and replaced; must exceed the longest forward/backward of a step."""
+    progress_deadline_s: float = 600.0
+    """No step committed for this long ends the job (exit 4), naming the ranks that did not arrive."""
     on_no_spare: str = "shrink"
     """Without a ready spare: `shrink` (fewer ranks, more accumulation, same global batch), `wait`, or `fail`."""
     max_failures_without_progress: int = 3

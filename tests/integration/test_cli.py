@@ -68,6 +68,20 @@ def test_bad_input_is_refused_with_a_clear_message(launch, tmp_path, case):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [("model.hf_config.hidden_size=130", "model.hf_config"), ("optim.lr=-1", "optim.lr")],
+)
+def test_values_the_workers_would_reject_are_refused_before_any_starts(launch, tmp_path, override, field):
+    run_dir = tmp_path / "run"
+    proc = launch("recipe=tiny_llama", override, f"run.dir={run_dir}", "trainer.max_steps=2", cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert f"error: {field}" in proc.stderr
+    assert "Traceback" not in output
+    assert not run_dir.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

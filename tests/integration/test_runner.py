@@ -40,7 +40,7 @@ def test_the_example_survives_a_killed_worker_with_identical_parameters(tmp_path
     expected = json.loads((tmp_path / "clean" / "result.json").read_text())
     result = json.loads((tmp_path / "faulty" / "result.json").read_text())
     assert result == expected
-    events = (tmp_path / "faulty" / "events" / "supervisor.jsonl").read_text()
+    events = (tmp_path / "faulty" / "events" / "coordinator.jsonl").read_text()
     assert '"spare_promoted"' in events and '"fault_injected"' in events
 
 
@@ -52,3 +52,67 @@ def test_the_runner_refuses_a_missing_script(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+BUGGY_SCRIPT = """
+import torch
+from ckptless_core.grad_sync import FlatGradients
+from ckptless_core.replica import Replica
+from ckptless_core.transfer import materialize_optimizer_state, state_tensors
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+grads = FlatGradients(model.parameters())
+replica = Replica.from_environ()
+materialize_optimizer_state(optimizer)
+replica.attach(state_tensors(model, optimizer))
+replica.start()
+
+
+def train_step(step):
+    grads.zero()
+    if step == 3 and replica.rank == 1:
+        raise ValueError(f"batch of step {step} has no labels")  # a bug: every replay of the step raises it again
+    model(torch.ones(2, 4)).sum().backward()
+    replica.all_reduce(grads.buffer)
+    with replica.critical_section():
+        optimizer.step()
+
+
+while replica.step < 10:
+    replica.run_step(train_step)
+replica.close()
+"""
+
+
+def test_a_bug_in_the_step_ends_the_job_with_its_traceback_and_spends_no_spare(tmp_path):
+    script = tmp_path / "buggy.py"
+    script.write_text(BUGGY_SCRIPT)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptless_core.run",
+            "--nproc",
+            "2",
+            "--spares",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "Traceback" in proc.stderr and "ValueError: batch of step 3 has no labels" in proc.stderr
+    assert "raised the same error again after a replay of step 4" in proc.stdout
+    events = [json.loads(line) for line in (run_dir / "events" / "coordinator.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert "spare_promoted" not in kinds
+    # Replayed once (one generation after the first), then given up on.
+    assert [e["generation"] for e in events if e["event"] == "generation_started"] == [1, 2]
+    assert any(e["event"] == "job_abandoned" and e["reason"] == "training_code_error" for e in events)

@@ -39,7 +39,7 @@ def wait_for(predicate, *, timeout_s: float, what: str):
 
 def training_workers(run_dir: Path) -> dict[str, int]:
     """Worker name -> pid of every worker and spare, once worker1 has committed a step."""
-    events = list(read_jsonl(run_dir / "events" / "supervisor.jsonl"))
+    events = list(read_jsonl(run_dir / "events" / "coordinator.jsonl"))
     pids = {e["worker_name"]: e["pid"] for e in events if e["event"] == "worker_started"}
     steps = list(read_jsonl(run_dir / "events" / "worker1.jsonl"))
     trained = any(e["event"] == "step_committed" for e in steps)

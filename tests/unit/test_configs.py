@@ -1,12 +1,15 @@
 """Every packaged config composes, validates and builds its model; the schema round-trips and refuses typos."""
 
+import re
 import shlex
 from importlib import resources
 
 import pytest
 import torch
 
-from launcher.compose import compose_job, recipe_launch_line, validate
+from ckptless_core.faults import KINDS
+from launcher.compose import FAULT_KINDS_WITHOUT_RANK, compose_job, recipe_launch_line, validate
+from launcher.errors import ConfigError
 from launcher.plan import build_plan
 from recipes.model import build_hf_config, build_model
 from recipes.schema import JobConfig, ModelConfig, load_config, save_config
@@ -143,3 +146,102 @@ def test_build_hf_config_applies_known_fields():
     hf_config = build_hf_config(config)
     assert (hf_config.hidden_size, hf_config.num_hidden_layers) == (64, 3)
     assert hf_config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("optim.lr=0", "optim.lr=0.0"),
+        ("optim.lr=-1", "optim.lr=-1.0"),
+        ("optim.betas=[0.9,1.0]", "optim.betas=[0.9, 1.0]"),
+        ("optim.betas=[-0.1,0.95]", "optim.betas=[-0.1, 0.95]"),
+        ("optim.betas=[0.9]", "optim.betas=[0.9]"),
+        ("optim.eps=0", "optim.eps=0.0"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1"),
+        ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio=1.5"),
+        ("optim.min_lr_ratio=-0.1", "optim.min_lr_ratio=-0.1"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps=-1"),
+    ],
+)
+def test_optimizer_values_adamw_would_reject_are_refused_at_compose(override, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        compose_job(["recipe=tiny_llama", override])
+
+
+def test_optimizer_values_at_the_edges_of_their_ranges_compose():
+    job = compose_job(
+        ["recipe=tiny_llama", "optim.betas=[0.0,0.999]", "optim.weight_decay=0", "optim.min_lr_ratio=1"]
+    ).job
+    assert (job.optim.betas, job.optim.weight_decay, job.optim.min_lr_ratio) == ([0.0, 0.999], 0.0, 1.0)
+    assert compose_job(["recipe=tiny_llama", "optim.min_lr_ratio=0"]).job.optim.min_lr_ratio == 0.0
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in (*FAULT_KINDS_WITHOUT_RANK, "kill_host")])
+@pytest.mark.parametrize("rank", [2, -1])
+def test_a_fault_at_a_rank_the_job_lacks_is_refused_for_every_kind_that_takes_a_rank(kind, rank):
+    overrides = ["recipe=tiny_llama", "cluster.nproc=2", f"fault.kind={kind}", f"fault.rank={rank}", "fault.step=1"]
+    with pytest.raises(ConfigError, match=re.escape(f"fault.rank={rank} ")) as error:
+        compose_job(overrides)
+    assert "cluster.nproc=2" in str(error.value)
+
+
+def test_a_further_fault_at_a_rank_the_job_lacks_is_refused_with_its_index():
+    more = "fault.more=[{kind:kill_worker,rank:0,step:1},{kind:hang,rank:2,step:2}]"
+    with pytest.raises(ConfigError, match=re.escape("fault.more[1].rank=2 ")) as error:
+        compose_job(["recipe=tiny_llama", "cluster.nproc=2", more])
+    assert "cluster.nproc=2" in str(error.value)
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS_WITHOUT_RANK)
+def test_faults_whose_target_is_chosen_at_run_time_ignore_fault_rank(kind):
+    job = compose_job(
+        ["recipe=tiny_llama", "cluster.nproc=2", f"fault.kind={kind}", "fault.rank=9", "fault.step=1"]
+    ).job
+    assert [event.kind for event in job.fault.events()] == [kind]
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ("model.hf_config.hidden_size=130", "hidden size (130) is not a multiple of the number of attention heads (4)"),
+        ("model.hf_config.num_attention_heads=0", "ZeroDivisionError"),
+        ("+model.hf_config.hidden_act=nope", "KeyError: 'nope'"),
+    ],
+)
+def test_a_model_config_transformers_rejects_is_refused_by_the_plan_naming_the_field(override, reason):
+    # The launcher builds every job's plan (its model on the meta device) before any worker starts; a ValueError
+    # there is bad input (exit 2).
+    job = compose_job(["recipe=tiny_llama", override]).job
+    with pytest.raises(ValueError, match=re.escape("model.hf_config")) as error:
+        build_plan(job)
+    message = str(error.value)
+    assert reason in message and "\n" not in message
+
+
+# --- cluster sizes and host faults ------------------------------------------------------------------------------------
+
+
+def test_cluster_sizes_have_one_set_of_names():
+    local = compose_job(["recipe=tiny_llama", "cluster.nproc=4", "trainer.micro_batch_size=4"]).job.cluster
+    assert (local.nproc, local.num_hosts, local.nproc_per_host) == (4, 1, 4)
+    hosts = compose_job(
+        ["recipe=tiny_llama", "cluster=hosts", "cluster.nproc_per_host=2", "trainer.micro_batch_size=4"]
+    )
+    assert (hosts.job.cluster.nproc, hosts.job.cluster.num_hosts) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["cluster.num_hosts=2"], "cluster=local is one host"),
+        (["cluster=hosts", "cluster.nproc=3", "cluster.nproc_per_host=0"], "do not divide over cluster.num_hosts=2"),
+        (["cluster=hosts", "cluster.nproc=4", "cluster.nproc_per_host=1"], "cluster.nproc=4 is not cluster.num_hosts"),
+        (["cluster.kind=moon"], "cluster.kind='moon'"),
+        (["fault=kill_host"], "use cluster=netns"),
+        (["fault=stuck", "fault.where=disk"], "fault.where='disk'"),
+    ],
+)
+def test_impossible_clusters_and_host_faults_are_refused(overrides, field):
+    with pytest.raises(ConfigError) as error:
+        compose_job(["recipe=tiny_llama", *overrides])
+    assert field in str(error.value)

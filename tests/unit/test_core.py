@@ -4,10 +4,11 @@ import hashlib
 import json
 import multiprocessing
 import os
-import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 
 import pytest
@@ -22,8 +23,8 @@ from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
 from ckptless_core.faults import FaultEvent, FaultInjector
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.membership import GENERATION_NUMBER_KEY, Generation
-from ckptless_core.replica import NEW_GENERATION_SIGNAL, GenerationChanged, Replica
+from ckptless_core.protocol import Generation, accept_channel, new_secret
+from ckptless_core.replica import GenerationChanged, Replica
 from ckptless_core.state_hash import param_sha256
 
 JOIN_TIMEOUT_S = 60
@@ -331,10 +332,22 @@ def test_state_moves_in_flat_buckets_and_arrives_bitwise(tmp_path):
     assert transfer.checksum(sent["state"], step=7) == transfer.checksum(received["state"], step=7)
 
 
-def test_a_new_generation_stops_a_survivors_forward_and_backward_but_not_a_spurious_signal(tmp_path):
-    """The supervisor SIGURGs the members of a new generation; the next module call or parameter gradient raises."""
+def test_a_new_generation_stops_a_survivors_forward_and_backward(tmp_path, monkeypatch):
+    """The agent link receives a new generation; the next module call or parameter gradient raises."""
+    secret = new_secret()
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("CKPTLESS_AGENT_PORT", str(listener.getsockname()[1]))
+    monkeypatch.setenv("CKPTLESS_SECRET", secret.hex())
+    accepted = {}
+
+    def agent() -> None:
+        sock, _ = listener.accept()
+        accepted["channel"] = accept_channel(sock, secret=secret, peer="worker")
+        accepted["hello"] = accepted["channel"].recv()
+
+    thread = threading.Thread(target=agent)
+    thread.start()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store.set(GENERATION_NUMBER_KEY, "1")
     env = WorkerEnv(0, 1, 0, "127.0.0.1", store.port, "worker0", supervised=True)
     replica = Replica(
         env,
@@ -344,24 +357,28 @@ def test_a_new_generation_stops_a_survivors_forward_and_backward_but_not_a_spuri
         heartbeat_interval_s=1,
         events=EventLog(tmp_path / "worker0.jsonl", worker="worker0"),
     )
-    replica.generation = Generation(number=1, members={"worker0": 0})
-    previous = signal.getsignal(NEW_GENERATION_SIGNAL)
+    thread.join(timeout=10)
+    channel = accepted["channel"]
     try:
+        assert accepted["hello"].name == "worker0"
+        first = Generation(number=1, members={"worker0": 0})
+        channel.send(first)
+        replica.link.wait_for_generation(newer_than=0, timeout_s=10)
+        replica.generation = first
         model = build_net()
         replica.interrupt_compute_on_new_generation(model)
-        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)  # same generation: a late or stray signal changes nothing
-        local_loss(model, 0).backward()
-        store.set(GENERATION_NUMBER_KEY, "2")
-        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)
+        local_loss(model, 0).backward()  # same generation: nothing stops
+        loss = local_loss(model, 0)
+        channel.send(Generation(number=2, members={"worker0": 0}))
+        replica.link.wait_for_generation(newer_than=1, timeout_s=10)
+        with pytest.raises(GenerationChanged):
+            loss.backward()  # the forward was done when the generation came: the backward stops
         with pytest.raises(GenerationChanged):
             local_loss(model, 0)
-        loss = local_loss(model, 0)  # the forward is done when the next signal comes: backward stops instead
-        os.kill(os.getpid(), NEW_GENERATION_SIGNAL)
-        with pytest.raises(GenerationChanged):
-            loss.backward()
     finally:
-        signal.signal(NEW_GENERATION_SIGNAL, previous)
         replica.close()
+        channel.close()
+        listener.close()
 
 
 # --- dist and layering ----------------------------------------------------------------------------------------------
@@ -383,7 +400,7 @@ def test_auto_backend_is_gloo_without_cuda():
 def test_core_imports_neither_hydra_omegaconf_transformers_nor_upper_layers():
     code = (
         "import sys, json\n"
-        "import ckptless_core.supervisor, ckptless_core.dist, ckptless_core.grad_sync\n"
+        "import ckptless_core.coordinator, ckptless_core.agent, ckptless_core.replica, ckptless_core.grad_sync\n"
         "import ckptless_core.events, ckptless_core.state_hash\n"
         "top = {name.split('.')[0] for name in sys.modules}\n"
         "print(json.dumps(sorted(top & {'hydra', 'omegaconf', 'transformers', 'launcher', 'recipes'})))\n"

@@ -37,11 +37,11 @@ def ckptless_run() -> list[dict]:
         events += steps(w, 1, 5, t0=101.0, generation=1)
     events += [
         ev(103.2, "checkpoint_written", "worker0", step=3, duration_s=0.2, blocked_s=0.2, bytes=1000, path="x"),
-        ev(105.6, "fault_injected", "supervisor", kind="kill_worker", worker_name="worker1", target_rank=1, step=6),
+        ev(105.6, "fault_injected", "coordinator", kind="kill_worker", worker_name="worker1", target_rank=1, step=6),
         ev(
             106.0,
             "failure_detected",
-            "supervisor",
+            "coordinator",
             worker_name="worker1",
             failed_rank=1,
             kind="exit",
@@ -53,7 +53,7 @@ def ckptless_run() -> list[dict]:
         ev(
             106.0,
             "recovery_phase",
-            "supervisor",
+            "coordinator",
             phase="detect",
             generation=2,
             duration_s=0.5,

@@ -27,20 +27,20 @@ def spans(segments: list[Segment]) -> list[tuple[str, float, float]]:
 def ckptless_kill_events() -> list[dict]:
     """worker1 killed at 5.0 s; the hot spare worker2 takes rank 1; worker3 is started as the next spare."""
     events = [
-        ev(0.0, "supervisor", "worker_started", worker_name="worker0", pid=10, spare=False),
-        ev(0.0, "supervisor", "worker_started", worker_name="worker1", pid=11, spare=False),
-        ev(0.0, "supervisor", "generation_started", generation=1, members={"worker0": 0, "worker1": 1}, world_size=2),
-        ev(0.1, "supervisor", "worker_started", worker_name="worker2", pid=12, spare=True),
+        ev(0.0, "coordinator", "worker_started", worker_name="worker0", pid=10, spare=False),
+        ev(0.0, "coordinator", "worker_started", worker_name="worker1", pid=11, spare=False),
+        ev(0.0, "coordinator", "generation_started", generation=1, members={"worker0": 0, "worker1": 1}, world_size=2),
+        ev(0.1, "coordinator", "worker_started", worker_name="worker2", pid=12, spare=True),
         *[ev(0.5, w, "worker_start", pid=10 + i, attempt=0) for i, w in enumerate(("worker0", "worker1", "worker2"))],
         *[ev(1.0, w, e, step=0) for w in ("worker0", "worker1") for e in ("worker_ready", "joined", "train_start")],
         ev(1.2, "worker2", "worker_ready"),
         *steps([2.0, 2.5, 3.0, 3.5, 4.0], first=1),
         ev(3.0, "worker0", "checkpoint_written", step=3, duration_s=0.5, blocked_s=0.01),
-        ev(5.0, "supervisor", "fault_injected", kind="kill_worker", worker_name="worker1", signal="SIGKILL", step=6),
-        ev(5.1, "supervisor", "failure_detected", worker_name="worker1", failed_rank=1, kind="exit", step=5),
-        ev(5.1, "supervisor", "recovery_phase", phase="detect", generation=2, duration_s=0.1),
-        ev(5.1, "supervisor", "spare_promoted", worker_name="worker2", promoted_rank=1),
-        ev(5.1, "supervisor", "generation_started", generation=2, members={"worker0": 0, "worker2": 1}, world_size=2),
+        ev(5.0, "coordinator", "fault_injected", kind="kill_worker", worker_name="worker1", signal="SIGKILL", step=6),
+        ev(5.1, "coordinator", "failure_detected", worker_name="worker1", failed_rank=1, kind="exit", step=5),
+        ev(5.1, "coordinator", "recovery_phase", phase="detect", generation=2, duration_s=0.1),
+        ev(5.1, "coordinator", "spare_promoted", worker_name="worker2", promoted_rank=1),
+        ev(5.1, "coordinator", "generation_started", generation=2, members={"worker0": 0, "worker2": 1}, world_size=2),
         ev(5.2, "worker0", "failure_noticed", generation=1, step=5, cause="peer_failure"),
         *[
             ev(5.6, w, "recovery_phase", phase=p, generation=2, duration_s=0.2)
@@ -53,13 +53,13 @@ def ckptless_kill_events() -> list[dict]:
         ev(6.0, "worker0", "step_committed", step=6, step_s=0.8, generation=2),
         ev(6.1, "worker2", "recovery_phase", phase="replay", generation=2, duration_s=0.5, step=6),
         ev(6.1, "worker2", "step_committed", step=6, step_s=0.5, generation=2),
-        ev(7.0, "supervisor", "worker_started", worker_name="worker3", pid=13, spare=True),
+        ev(7.0, "coordinator", "worker_started", worker_name="worker3", pid=13, spare=True),
         ev(7.5, "worker3", "worker_start", pid=13, attempt=0),
         ev(8.0, "worker3", "worker_ready"),
         *steps([8.5], first=7, workers=("worker0", "worker2")),
         ev(9.0, "worker0", "train_end", step=7),
         ev(9.0, "worker2", "train_end", step=7),
-        ev(9.5, "supervisor", "job_completed", generation=2),
+        ev(9.5, "coordinator", "job_completed", generation=2),
     ]
     return sorted(events, key=lambda e: e["t"])
 
@@ -67,23 +67,23 @@ def ckptless_kill_events() -> list[dict]:
 def ckptless_hang_events() -> list[dict]:
     """worker1 stopped (SIGSTOP) at 3.0 s, fenced when its heartbeat times out at 5.0 s; no spare: the job shrinks."""
     events = [
-        ev(0.0, "supervisor", "worker_started", worker_name="worker0", pid=10, spare=False),
-        ev(0.0, "supervisor", "worker_started", worker_name="worker1", pid=11, spare=False),
+        ev(0.0, "coordinator", "worker_started", worker_name="worker0", pid=10, spare=False),
+        ev(0.0, "coordinator", "worker_started", worker_name="worker1", pid=11, spare=False),
         *[
             ev(1.0, w, e, step=0)
             for w in ("worker0", "worker1")
             for e in ("worker_start", "worker_ready", "train_start")
         ],
         *steps([2.0], first=1),
-        ev(3.0, "supervisor", "fault_injected", kind="hang", worker_name="worker1", signal="SIGSTOP", step=2),
-        ev(5.0, "supervisor", "worker_fenced", worker_name="worker1", exit_code=-9),
+        ev(3.0, "coordinator", "fault_injected", kind="hang", worker_name="worker1", signal="SIGSTOP", step=2),
+        ev(5.0, "coordinator", "worker_fenced", worker_name="worker1", exit_code=-9),
         ev(5.0, "worker0", "failure_noticed", generation=1, step=1, cause="peer_failure"),
-        ev(5.0, "supervisor", "failure_detected", worker_name="worker1", failed_rank=1, kind="hang", step=1),
-        ev(5.0, "supervisor", "job_shrunk", world_size=1, lost_ranks=[1], demoted=[]),
+        ev(5.0, "coordinator", "failure_detected", worker_name="worker1", failed_rank=1, kind="hang", step=1),
+        ev(5.0, "coordinator", "job_shrunk", world_size=1, lost_ranks=[1], demoted=[]),
         ev(5.5, "worker0", "recovery_phase", phase="replay", generation=2, duration_s=0.3, step=2),
         ev(5.5, "worker0", "step_committed", step=2, step_s=0.3, generation=2),
         ev(6.0, "worker0", "train_end", step=2),
-        ev(6.2, "supervisor", "job_completed", generation=2),
+        ev(6.2, "coordinator", "job_completed", generation=2),
     ]
     return sorted(events, key=lambda e: e["t"])
 
@@ -170,7 +170,7 @@ def test_demoted_member_waits_as_idle_spare():
     events = [
         *[e for e in ckptless_hang_events() if e["t"] <= T0 + 5.0],
         ev(5.1, "worker0", "demoted_to_spare", generation=2),
-        ev(6.0, "supervisor", "job_abandoned", reason="no_spare"),
+        ev(6.0, "coordinator", "job_abandoned", reason="no_spare"),
     ]
     assert spans(timeline(events)["worker0"])[-2:] == [("recovering", 5.0, 5.1), ("idle spare", 5.1, 6.0)]
 

@@ -1,0 +1,356 @@
+"""The node agent: one per host. It joins the coordinator, forks this host's workers and spares from a pre-imported
+fork server, watches them (an exit is seen at once), signals and fences them on the coordinator's word, and relays
+between them and the coordinator. It is the only way the coordinator reaches a host's processes.
+
+    python -m ckptless_core.agent --coordinator 10.0.0.1:29400 --host node7 --secret-file /shared/run/secret \\
+        --run-dir /shared/run [--ifname eth0] [--preload torch ...]
+
+No Hydra and no transformers here: what the host runs comes from the coordinator (`HostJob`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptless_core.events import EventLog
+from ckptless_core.protocol import (
+    PROTOCOL_VERSION,
+    WORKER_REPORTS,
+    Channel,
+    ChannelClosed,
+    FenceWorker,
+    Generation,
+    Hello,
+    HostHeartbeat,
+    ProtocolError,
+    Refused,
+    Shutdown,
+    SignalWorker,
+    StartWorker,
+    StopAt,
+    Welcome,
+    WorkerExited,
+    WorkerStarted,
+    accept_channel,
+    connect_channel,
+    read_secret,
+)
+from ckptless_core.worker_process import run_worker
+
+EXIT_REFUSED = 2
+EXIT_COORDINATOR_LOST = 3
+
+
+@dataclass
+class HostJob:
+    """What every worker of the job runs; the coordinator sends it in its Welcome."""
+
+    entry: str
+    """`package.module:function` each worker calls."""
+    run_dir: str
+    """The run directory, on storage every host sees: `logs/<worker>.log`, events."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every worker (the collective store's address included)."""
+    threads_per_worker: int = 1
+    preload: list[str] = field(default_factory=list)
+    """Modules the fork server imports once (when not already given on the command line)."""
+    heartbeat_interval_s: float = 0.25
+    """How often the agent tells the coordinator that this host is reachable."""
+
+
+def config_sha256(run_dir: str | Path | None) -> str:
+    """SHA-256 of the run's `config.yaml`, which every agent and the coordinator must share ('' without one)."""
+    path = Path(run_dir) / "config.yaml" if run_dir else None
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path and path.is_file() else ""
+
+
+class Agent:
+    def __init__(
+        self, *, coordinator: tuple[str, int], host: str, secret: bytes, run_dir: str | None, ifname: str | None
+    ) -> None:
+        self.host = host
+        self.secret = secret
+        self.ifname = ifname
+        self.inbox: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.links: dict[str, Channel] = {}
+        self.generation = Generation()
+        self.stop_at: StopAt | None = None
+        self.context = None
+        self.job: HostJob | None = None
+        self.coordinator = connect_channel(coordinator, secret=secret)
+        self.coordinator.send(
+            Hello(
+                role="agent",
+                name=host,
+                version=str(PROTOCOL_VERSION),
+                config_sha256=config_sha256(run_dir),
+                pid=os.getpid(),
+            )
+        )
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.events: EventLog | None = None
+
+    def run(self, *, preload: list[str]) -> int:
+        try:
+            reply = self.coordinator.recv()
+        except ChannelClosed:
+            return EXIT_COORDINATOR_LOST  # the job ended before this host was needed
+        if isinstance(reply, Refused):
+            print(f"agent {self.host}: refused by the coordinator: {reply.reason}", file=sys.stderr, flush=True)
+            return EXIT_REFUSED
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+        self.job = HostJob(**reply.job)
+        self.context = start_fork_server(preload or self.job.preload)
+        self.events = EventLog(
+            Path(self.job.run_dir) / "events" / f"agent-{self.host}.jsonl", worker=f"agent-{self.host}"
+        )
+        self.events.emit("agent_joined", pid=os.getpid())
+        threading.Thread(target=self._read_coordinator, name="coordinator", daemon=True).start()
+        threading.Thread(target=self._accept_workers, name="accept", daemon=True).start()
+        threading.Thread(target=self._beat, name="host-heartbeat", daemon=True).start()
+        try:
+            return self._serve()
+        finally:
+            self._kill_all()
+
+    def _serve(self) -> int:
+        while True:
+            # Every process not yet reported as exited is waited on: one that ended while this loop was busy
+            # elsewhere has a readable sentinel too.
+            sentinels = {p.sentinel: name for name, p in self.processes.items()}
+            ready = multiprocessing.connection.wait([self._wake_r, *sentinels], timeout=1.0)
+            for sentinel in ready:
+                if sentinel in sentinels:
+                    self._report_exit(sentinels[sentinel])
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    source, message = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if source is None:  # from the coordinator
+                    if message is None or isinstance(message, Shutdown):
+                        return 0 if message is not None else EXIT_COORDINATOR_LOST
+                    self._handle(message)
+                elif message is not None and isinstance(message, WORKER_REPORTS):
+                    self._relay(source, message)
+
+    def _handle(self, message) -> None:
+        if isinstance(message, StartWorker):
+            self._start(message)
+        elif isinstance(message, SignalWorker):
+            self._signal(message.worker, message.signum)
+        elif isinstance(message, FenceWorker):
+            process = self.processes.get(message.worker)
+            if process is not None:
+                self._signal(message.worker, signal.SIGKILL)
+                process.join(timeout=5.0)
+                self._report_exit(message.worker)
+        elif isinstance(message, Generation):
+            self.generation = message
+            for name, link in list(self.links.items()):
+                self._to_worker(name, link, message)
+        elif isinstance(message, StopAt):
+            self.stop_at = message
+            for name, link in list(self.links.items()):
+                self._to_worker(name, link, message)
+
+    def _start(self, order: StartWorker) -> None:
+        job = self.job
+        log_path = Path(job.run_dir) / "logs" / f"{order.worker}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {
+            **job.env,
+            "CKPTLESS_WORKER": order.worker,
+            "CKPTLESS_SPARE": "1" if order.spare else "0",
+            "CKPTLESS_AGENT_PORT": str(self.listener.getsockname()[1]),
+            "CKPTLESS_SECRET": self.secret.hex(),
+            "CKPTLESS_HOST": self.host,
+        }
+        if self.ifname:
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = self.ifname
+        process = self.context.Process(
+            target=run_worker,
+            kwargs={
+                "entry": job.entry,
+                "env": env,
+                "log_path": str(log_path),
+                "threads": job.threads_per_worker,
+                "agent_pid": os.getpid(),
+                "nice": 10 if order.background else 0,
+            },
+            name=order.worker,
+            daemon=False,
+        )
+        process.start()
+        self.processes[order.worker] = process
+        self._send(WorkerStarted(worker=order.worker, pid=process.pid, spare=order.spare))
+
+    def _report_exit(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process is None:
+            return
+        process.join(timeout=1.0)
+        code = process.exitcode if process.exitcode is not None else -signal.SIGKILL
+        link = self.links.pop(name, None)
+        if link is not None:
+            link.close()
+        self._send(WorkerExited(worker=name, exit_code=code))
+
+    def _relay(self, name: str, message) -> None:
+        if message.worker != name:
+            self.events.emit("report_refused", worker_name=name, claimed=message.worker)
+            return
+        self._send(message)
+
+    def _send(self, message) -> None:
+        try:
+            self.coordinator.send(message)
+        except ChannelClosed:
+            self._put(None, None)
+
+    def _to_worker(self, name: str, link: Channel, message) -> None:
+        try:
+            link.send(message)
+        except ChannelClosed:
+            self.links.pop(name, None)
+
+    def _signal(self, name: str, signum: int) -> None:
+        process = self.processes.get(name)
+        if process is not None and process.pid:
+            try:
+                os.kill(process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    # --- threads ------------------------------------------------------------------------------------------------
+
+    def _put(self, source: str | None, message) -> None:
+        self.inbox.put((source, message))
+        os.write(self._wake_w, b"x")
+
+    def _beat(self) -> None:
+        """The host is reachable: from a thread of its own, so a slow fork (the fork server still importing) or a
+        fence in progress never makes a live host look lost."""
+        while True:
+            self._send(HostHeartbeat(host=self.host))
+            time.sleep(self.job.heartbeat_interval_s)
+
+    def _read_coordinator(self) -> None:
+        while True:
+            try:
+                message = self.coordinator.recv()
+            except (ChannelClosed, ProtocolError):
+                self._put(None, None)
+                return
+            self._put(None, message)
+
+    def _accept_workers(self) -> None:
+        while True:
+            sock, address = self.listener.accept()
+            threading.Thread(target=self._serve_worker, args=(sock, address), daemon=True).start()
+
+    def _serve_worker(self, sock: socket.socket, address) -> None:
+        try:
+            link = accept_channel(sock, secret=self.secret, peer=f"worker at {address}")
+            hello = link.recv()
+        except (ProtocolError, ChannelClosed) as error:
+            sock.close()
+            self.events.emit("control_refused", peer=str(address), reason=str(error))
+            return
+        process = self.processes.get(getattr(hello, "name", ""))
+        if not isinstance(hello, Hello) or process is None or process.pid != hello.pid:
+            self.events.emit("control_refused", peer=str(address), reason=f"not a worker of this host: {hello}")
+            link.close()
+            return
+        name = hello.name
+        self.links[name] = link
+        # A worker connecting late learns what it missed.
+        if self.generation.number:
+            self._to_worker(name, link, self.generation)
+        if self.stop_at is not None:
+            self._to_worker(name, link, self.stop_at)
+        while True:
+            try:
+                message = link.recv()
+            except (ChannelClosed, ProtocolError) as error:
+                self.events.emit("link_closed", worker_name=name, reason=str(error))
+                return
+            self._put(name, message)
+
+    def _kill_all(self) -> None:
+        for name in list(self.processes):
+            self._signal(name, signal.SIGKILL)
+        for process in self.processes.values():
+            process.join(timeout=5.0)
+        if self.events is not None:
+            self.events.close()
+
+
+def start_fork_server(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    """Start the fork server now, importing `preload` in the background, so later worker starts are fast. Idempotent."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["ckptless_core.fork_server", *preload])
+    multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckptless_core.agent", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--coordinator", required=True, help="host:port of the coordinator's control channel")
+    parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the job")
+    parser.add_argument("--secret-file", default=os.environ.get("CKPTLESS_SECRET_FILE"), help="the job's secret")
+    parser.add_argument("--run-dir", default=None, help="the run directory (shared storage): its config is checked")
+    parser.add_argument("--ifname", default=None, help="network interface for the collective backend on this host")
+    parser.add_argument("--preload", nargs="*", default=[], help="modules the fork server imports once")
+    parser.add_argument("--connect-timeout-s", type=float, default=60.0)
+    options = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides how a job stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    address, _, port = options.coordinator.rpartition(":")
+    try:
+        secret = read_secret(path=options.secret_file, hex_value=os.environ.get("CKPTLESS_SECRET"))
+        if options.preload:
+            start_fork_server(options.preload)  # overlap the imports with joining the coordinator
+        agent = _connect(options, (address, int(port)), secret)
+    except (ValueError, OSError, ProtocolError) as error:
+        print(f"agent {options.host}: {error}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    return agent.run(preload=options.preload)
+
+
+def _connect(options, address: tuple[str, int], secret: bytes) -> Agent:
+    """Join the coordinator, retrying with backoff while it is not up yet (bounded by --connect-timeout-s)."""
+    deadline, delay = time.monotonic() + options.connect_timeout_s, 0.05
+    while True:
+        try:
+            return Agent(
+                coordinator=address, host=options.host, secret=secret, run_dir=options.run_dir, ifname=options.ifname
+            )
+        except ConnectionRefusedError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

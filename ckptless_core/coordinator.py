@@ -1,0 +1,784 @@
+"""The coordinator: one per job. It admits the node agents, decides which worker holds which rank, detects failures
+from what the agents relay (exits at once, silence on its own clock, reports, stalled steps), fences the culprit
+through its agent, promotes a spare or shrinks the job, and publishes the next generation. It also hosts the c10d
+store, which serves only the collective backend's rendezvous.
+
+It never touches a worker directly: every start, signal and fence goes through the worker's agent. `cluster=local`
+is this with one agent on this machine (`LocalCluster`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ckptless_core.agent import HostJob
+from ckptless_core.events import EventLog
+from ckptless_core.faults import FaultInjector, signal_name
+from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR, JobOutcome, JobSpec, describe_exit
+from ckptless_core.protocol import (
+    PROTOCOL_VERSION,
+    ChannelClosed,
+    FailureReport,
+    FenceWorker,
+    Generation,
+    Hello,
+    HostHeartbeat,
+    Position,
+    Progress,
+    ProtocolError,
+    Ready,
+    Refused,
+    Shutdown,
+    SignalWorker,
+    SourceAnnounced,
+    StartWorker,
+    StopAt,
+    Welcome,
+    WorkerExited,
+    WorkerStarted,
+    accept_channel,
+    blame_stalled,
+    new_store_prefix,
+)
+from ckptless_core.replacement import replace_lost
+
+
+@dataclass
+class _Worker:
+    name: str
+    host: str
+    spare: bool
+    started_at: float
+    """Coordinator's monotonic clock, like every time below."""
+    pid: int = 0
+    exit_code: int | None = None
+    retired: bool = False
+    """No longer part of the job: a lost member, a lost spare, or a fenced worker."""
+    last_heard: float = 0.0
+    ready: bool = False
+    committed: tuple[int, int] | None = None
+    """(generation, steps committed) of the latest `committed` marker."""
+    position: Position | None = None
+    position_generation: int = 0
+    lost_with_host: str = ""
+    """Why this worker is gone with its host (empty: it is not)."""
+    failure: tuple[FailureReport, float] | None = None
+    source_of: int = 0
+    """The generation this worker announced itself as the state source of."""
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None and not self.retired
+
+
+@dataclass
+class _Host:
+    name: str
+    channel: object
+    last_heard: float
+    workers: list[str] = field(default_factory=list)
+    capacity: int = 0
+    """Processes the host runs at most: what it was given at the start, or `nproc_per_host` for a host that joins
+    a running job (a replaced node); replacement spares go where a slot is free."""
+
+
+class Coordinator:
+    """Runs one job over its agents; `start()`, then `poll()` until it returns an outcome."""
+
+    def __init__(self, *, secret: bytes, bind_address: str = "127.0.0.1", port: int = 0) -> None:
+        self.secret = secret
+        self.bind_address = bind_address
+        self.listener = socket.create_server((bind_address, port))
+        self.address = (bind_address, self.listener.getsockname()[1])
+        self.inbox: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self.hosts: dict[str, _Host] = {}
+        self.pending_hellos: list[tuple[Hello, object]] = []
+        self.workers: dict[str, _Worker] = {}
+        self.generation = Generation()
+        self.spec: JobSpec | None = None
+        self.events: EventLog | None = None
+        self.refusals: list[tuple[str, str]] = []
+        """(peer, reason) of every connection or message refused before the event log exists."""
+        self.next_worker_id = 0
+        self.spares_owed = 0
+        self.failures_without_progress = 0
+        self.progress_at_last_failure = -1
+        self.injected_at: dict[str, float] = {}
+        self.last_commit: tuple[int, float] = (0, time.monotonic())
+        """(highest step committed by any member, when it arrived)."""
+        self.store: dist.TCPStore | None = None
+        threading.Thread(target=self._accept, name="accept", daemon=True).start()
+
+    # --- start ------------------------------------------------------------------------------------------------
+
+    def start(self, spec: JobSpec) -> None:
+        """Host the store, admit `spec.num_hosts` agents (bounded by the start timeout), start every worker."""
+        self.spec = spec
+        self.ft = spec.ft
+        self.per_host = -(-spec.nproc // spec.num_hosts)
+        # A host's fault strikes through its first rank: when that rank reaches the step, the host goes.
+        self.injector = FaultInjector(
+            [replace(e, rank=e.host * self.per_host) if e.kind == "kill_host" else e for e in spec.faults]
+        )
+        self.events = EventLog(spec.run_dir / "events" / "coordinator.jsonl", worker="coordinator")
+        for peer, reason in self.refusals:
+            self.events.emit("control_refused", peer=peer, reason=reason)
+        self.store, self._store_socket = _bound_store(self.bind_address, timeout_s=spec.store_timeout_s)
+        self.events.emit(
+            "coordinator_started", address=self.address[0], port=self.address[1], store_port=self.store.port
+        )
+        deadline = time.monotonic() + spec.store_timeout_s
+        expected = spec.num_hosts + spec.spare_hosts
+        while len(self.hosts) < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(self.hosts)} of {expected} node agents joined within {spec.store_timeout_s:.0f} s"
+                )
+            self.wait_for_change(0.1)
+            self._drain()
+        names = sorted(self.hosts)
+        self.training_hosts, spare_hosts = names[: spec.num_hosts], names[spec.num_hosts :]
+        members = {}
+        for rank in range(spec.nproc):
+            members[self._start_worker(self.training_hosts[rank // self.per_host], spare=False)] = rank
+        self._publish(Generation(number=1, members=members, reason="start", store_prefix=new_store_prefix(1)))
+        if self.ft.enabled:
+            for i in range(self.ft.spares):
+                self._start_worker(self.training_hosts[i % len(self.training_hosts)], spare=True)
+            for host in spare_hosts:
+                for _ in range(self.per_host):
+                    self._start_worker(host, spare=True)
+        for host in self.hosts.values():
+            host.capacity = len(host.workers)
+
+    def _start_worker(self, host: str, *, spare: bool, background: bool = False) -> str:
+        name = f"worker{self.next_worker_id}"
+        self.next_worker_id += 1
+        self.workers[name] = _Worker(name=name, host=host, spare=spare, started_at=time.monotonic())
+        self.hosts[host].workers.append(name)
+        self._to_host(host, StartWorker(worker=name, spare=spare, background=background))
+        return name
+
+    def _publish(self, generation: Generation) -> None:
+        self.generation = generation
+        for host in self.hosts:
+            self._to_host(host, generation)
+        self._forget_old_generations()
+        self.events.emit(
+            "generation_started",
+            generation=generation.number,
+            members=generation.members,
+            world_size=generation.world_size,
+            reason=generation.reason,
+            store_keys=self.store.num_keys(),
+        )
+
+    def _forget_old_generations(self) -> None:
+        """Delete the rendezvous keys of generations before the previous one, so the store stays flat however many
+        recoveries a job goes through (the previous generation's may still be read by a worker leaving it)."""
+        keep_from = self.generation.number - 1
+        for key in self.store.list_keys():
+            number = key.split("/gen", 1)[-1].split("/", 1)[0]
+            if number.isdigit() and int(number) < keep_from:
+                self.store.delete_key(key)
+
+    # --- messages ------------------------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                host, message, received_at = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, Hello):
+                self._admit(message, host)
+            elif message is None:
+                self._host_lost(host, "its agent's channel closed")
+            elif host in self.hosts:
+                self.hosts[host].last_heard = received_at
+                if not isinstance(message, HostHeartbeat):
+                    self._record(host, message, received_at)
+
+    def _admit(self, hello: Hello, channel) -> None:
+        reason = ""
+        if hello.version != str(PROTOCOL_VERSION):
+            reason = (
+                f"agent speaks protocol {hello.version}, the coordinator {PROTOCOL_VERSION}: install the same ckptless"
+            )
+        elif hello.config_sha256 and hello.config_sha256 != self.spec.config_sha256:
+            reason = "the agent's run directory holds another config.yaml than this job's: start it with this job's --run-dir"
+        elif hello.name in self.hosts:
+            reason = f"a host named {hello.name!r} already joined: give each agent its own --host"
+        if reason:
+            self.events.emit("agent_refused", host=hello.name, reason=reason)
+            try:
+                channel.send(Refused(reason=reason))
+            except ChannelClosed:
+                pass
+            channel.close()
+            return
+        job = HostJob(
+            entry=self.spec.entry,
+            run_dir=str(self.spec.run_dir),
+            env={**self._worker_env()},
+            threads_per_worker=self.spec.threads_per_worker,
+            preload=list(self.spec.preload),
+            heartbeat_interval_s=min(0.25, self.spec.ft.host_timeout_s / 8),
+        )
+        channel.send(Welcome(job=asdict(job)))
+        self.hosts[hello.name] = _Host(name=hello.name, channel=channel, last_heard=time.monotonic())
+        self.events.emit("agent_joined", host=hello.name, pid=hello.pid)
+        threading.Thread(target=self._read_host, args=(hello.name, channel), daemon=True).start()
+        if self.generation.number:
+            self.hosts[hello.name].capacity = self.per_host  # a replaced node: its slots take the spares owed
+
+    def _worker_env(self) -> dict[str, str]:
+        """torchrun-compatible names (a worker's rank comes from the generation it joins) plus the store's address."""
+        return {
+            **self.spec.env,
+            "RANK": "-1",
+            "WORLD_SIZE": str(self.spec.nproc),
+            "LOCAL_WORLD_SIZE": str(self.spec.nproc),
+            "MASTER_ADDR": self.bind_address,
+            "MASTER_PORT": str(self.store.port),
+            "CKPTLESS_SUPERVISED": "1",
+            "CKPTLESS_RUN_DIR": str(self.spec.run_dir),
+            "OMP_NUM_THREADS": str(self.spec.threads_per_worker),
+        }
+
+    def _record(self, host: str, message, received_at: float) -> None:
+        worker = self.workers.get(getattr(message, "worker", ""))
+        if worker is None or worker.host != host:
+            self.events.emit("report_refused", host=host, message=type(message).__name__)
+            return
+        worker.last_heard = received_at
+        if isinstance(message, WorkerStarted):
+            worker.pid = message.pid
+            worker.started_at = received_at  # silence counts from the fork, not from the order (imports may delay it)
+            self.events.emit("worker_started", worker_name=worker.name, pid=message.pid, spare=message.spare, host=host)
+        elif isinstance(message, WorkerExited):
+            worker.exit_code = message.exit_code
+        elif isinstance(message, Ready):
+            worker.ready = True
+        elif isinstance(message, Progress):
+            previous = worker.position
+            renewal = (
+                previous is not None
+                and message.marker == "collective_waiting"
+                and previous.step == message.step
+                and previous.marker in ("collective_entered", "collective_waiting")
+            )
+            since = previous.since if renewal else received_at
+            worker.position = Position(step=message.step, marker=message.marker, received_at=received_at, since=since)
+            worker.position_generation = message.generation
+            if message.marker == "committed":
+                worker.committed = (message.generation, message.step)
+                if message.step > self.last_commit[0]:
+                    self.last_commit = (message.step, received_at)
+        elif isinstance(message, FailureReport):
+            worker.failure = (message, received_at)
+        elif isinstance(message, SourceAnnounced):
+            worker.source_of = message.generation
+
+    def _host_lost(self, host: str, detail: str) -> None:
+        """The host's agent is gone (its channel closed, or it fell silent): every process of the host with it."""
+        if host not in self.hosts:
+            return
+        self.events.emit("host_lost", host=host, detail=detail)
+        lost = self.hosts.pop(host)
+        lost.channel.close()
+        for name in lost.workers:
+            worker = self.workers[name]
+            if worker.exit_code is None:
+                worker.exit_code = -signal.SIGKILL
+                worker.lost_with_host = f"host {host} lost: {detail}"
+
+    def kill_host(self, host: str) -> None:
+        """`fault=kill_host`: power the host off. Only a cluster that owns its hosts can (`cluster=netns`)."""
+        raise NotImplementedError(f"this cluster cannot power off host {host}")
+
+    # --- watch ------------------------------------------------------------------------------------------------
+
+    def poll(self) -> JobOutcome | None:
+        """None while the job runs; the outcome once every member finished, or the job cannot go on."""
+        self._drain()
+        members = self.generation.members
+        codes = {name: self.workers[name].exit_code for name in members}
+        if codes and all(code == 0 for code in codes.values()):
+            self.events.emit("job_completed", generation=self.generation.number)
+            self.stop()
+            return JobOutcome(ok=True, exit_codes=self.exit_codes(), message="all workers completed")
+        if (outcome := self._training_code_error(codes)) is not None:
+            return outcome
+        if (outcome := self._past_progress_deadline()) is not None:
+            return outcome
+        failures = self._detect_failures(codes)
+        if failures:
+            if not self.ft.enabled:
+                self._settle()  # let failures that happen together all surface before reporting
+                failures = self._detect_failures({n: self.workers[n].exit_code for n in members})
+                self.stop()
+                # A worker killed by a signal is the likely cause; peers that then exited with an error follow.
+                ordered = sorted(failures.items(), key=lambda kv: not kv[1]["detail"].startswith("killed"))
+                message = "; ".join(f"{name} failed ({failure['detail']})" for name, failure in ordered)
+                return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
+            outcome = self._recover_from(failures)
+            if outcome is not None:
+                return outcome
+        if self.ft.enabled:
+            self._replace_lost_spares()
+            self._maybe_grow()
+            self._start_owed_spares()
+        self._inject_faults()
+        return None
+
+    def _training_code_error(self, codes: dict[str, int | None]) -> JobOutcome | None:
+        """A member whose training code raised the same error again after a replay ends the job at once: a bug is
+        not a failure, and no spare is spent on it. The traceback comes with its report."""
+        culprits = [n for n, code in codes.items() if code == WORKER_EXIT_TRAINING_CODE_ERROR]
+        culprits += [
+            n for n in codes if (self.workers[n].failure or (None,))[0] and self.workers[n].failure[0].kind == "bug"
+        ]
+        if not culprits:
+            return None
+        name = culprits[0]
+        worker = self.workers[name]
+        if worker.failure is None or worker.failure[0].kind != "bug":
+            self._settle()  # the report is sent before the exit, over the same agent
+        report = worker.failure[0] if worker.failure and worker.failure[0].kind == "bug" else None
+        message = (
+            f"{name} (rank {self.generation.members[name]}): the training code raised the same error again after a "
+            f"replay of step {report.step + 1 if report else '?'}; no spare was spent on it"
+        )
+        error = report.error if report else f"(no traceback reported: see logs/{name}.log)"
+        self.events.emit("job_abandoned", reason="training_code_error", message=message, error=error)
+        self.stop()
+        return JobOutcome(
+            ok=False, exit_codes=self.exit_codes(), message=message, reason="training_code_error", error=error
+        )
+
+    def _past_progress_deadline(self) -> JobOutcome | None:
+        """Whatever hang is left (a stall no rule blames, a generation that never forms) ends here: exit 4."""
+        step, at = self.last_commit
+        if time.monotonic() - at <= self.ft.progress_deadline_s:
+            return None
+        missing = sorted(
+            self.generation.members[name]
+            for name in self.generation.members
+            if (position := self.workers[name].position) is None
+            or position.marker not in ("collective_entered", "collective_waiting")
+            or position.step < step
+        )
+        message = (
+            f"no step committed for {self.ft.progress_deadline_s:.0f} s (ft.progress_deadline_s) after step {step}; "
+            f"rank(s) {missing} did not arrive at the collective"
+        )
+        self.events.emit("job_abandoned", reason="no_progress", message=message, missing_ranks=missing)
+        self.stop()
+        return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="no_progress")
+
+    def _settle(self) -> None:
+        deadline = time.monotonic() + self.ft.settle_s
+        while (left := deadline - time.monotonic()) > 0:
+            self.wait_for_change(left)
+            self._drain()
+
+    def _detect_failures(self, codes: dict[str, int | None]) -> dict[str, dict]:
+        """Members that died, went silent (fenced here), or reported an error, keyed by worker."""
+        now = time.monotonic()
+        for host in [h for h, record in self.hosts.items() if now - record.last_heard > self.ft.host_timeout_s]:
+            self._host_lost(host, f"silent for {now - self.hosts[host].last_heard:.1f} s")
+            codes = {n: self.workers[n].exit_code for n in codes}
+        failures: dict[str, dict] = {}
+        for name, code in codes.items():
+            if self.workers[name].lost_with_host:
+                failures[name] = {
+                    "kind": "host_lost",
+                    "detail": self.workers[name].lost_with_host,
+                    "detected_by": "host_timeout",
+                    "lost": True,
+                }
+            elif code not in (None, 0):
+                failures[name] = {
+                    "kind": "exit",
+                    "detail": describe_exit(code),
+                    "detected_by": "process_exit",
+                    "lost": True,
+                }
+        if not self.ft.enabled:
+            return failures
+        alive = [n for n in self.generation.members if codes.get(n) is None and n not in failures]
+        for name in alive:
+            worker = self.workers[name]
+            if not worker.pid:
+                # Not forked yet (its agent's fork server may still be importing): bounded by the start timeout.
+                if now - worker.started_at > self.spec.store_timeout_s:
+                    failures[name] = {
+                        "kind": "start",
+                        "detail": f"not started within {self.spec.store_timeout_s:.0f} s (cluster.start_timeout_s)",
+                        "detected_by": "start_timeout",
+                        "lost": True,
+                    }
+                continue
+            silent_s = now - max(worker.last_heard, worker.started_at)
+            if silent_s > self.ft.heartbeat_timeout_s:
+                self._fence(name)
+                failures[name] = {
+                    "kind": "hang",
+                    "detail": f"no heartbeat for {silent_s:.1f} s",
+                    "detected_by": "heartbeat",
+                    "lost": True,
+                }
+        if failures:
+            return failures
+        for name in self._stalled(now):
+            self._fence(name)
+            position = self.workers[name].position
+            failures[name] = {
+                "kind": "stuck",
+                "detail": f"alive but did not arrive at the collective of step {position.step + 1 if position else '?'}",
+                "detected_by": "progress",
+                "lost": True,
+            }
+        if failures:
+            return failures
+        for name in alive:
+            report = self.workers[name].failure
+            if (
+                report is not None
+                and report[0].generation == self.generation.number
+                and now - report[1] >= self.ft.settle_s
+            ):
+                failures[name] = {
+                    "kind": report[0].kind,
+                    "detail": report[0].error,
+                    "detected_by": "worker_report",
+                    "lost": False,
+                }
+        return failures
+
+    def _stalled(self, now: float) -> list[str]:
+        """Members blamed for a stalled step (see `protocol.blame_stalled`), from this generation's markers."""
+        positions = {
+            name: self.workers[name].position
+            for name in self.generation.members
+            if self.workers[name].position is not None
+            and self.workers[name].position_generation == self.generation.number
+        }
+        if len(positions) < self.generation.world_size:
+            return []  # the generation is still forming
+        return blame_stalled(positions, now=now, stall_timeout_s=self.ft.stall_timeout_s)
+
+    def _fence(self, name: str) -> None:
+        """Make sure a worker declared failed can never act again before anyone replaces it: its agent kills it, and
+        the next generation waits for the agent to confirm (bounded)."""
+        worker = self.workers[name]
+        worker.retired = True
+        self._to_host(worker.host, FenceWorker(worker=name))
+        deadline = time.monotonic() + 5.0
+        while worker.exit_code is None and worker.host in self.hosts and time.monotonic() < deadline:
+            self.wait_for_change(deadline - time.monotonic())
+            self._drain()
+        self.events.emit("worker_fenced", worker_name=name, exit_code=worker.exit_code)
+
+    def _recover_from(self, failures: dict[str, dict]) -> JobOutcome | None:
+        reached = max(self._progress().values(), default=0)
+        for name, failure in failures.items():
+            self.events.emit(
+                "failure_detected",
+                worker_name=name,
+                failed_rank=self.generation.members[name],
+                step=reached,
+                generation=self.generation.number,
+                **{k: v for k, v in failure.items() if k != "lost"},
+            )
+        now = time.time()
+        failed_at = min(self.injected_at.pop(name, now) for name in failures)
+        self.events.emit(
+            "recovery_phase",
+            phase="detect",
+            generation=self.generation.number + 1,
+            duration_s=now - failed_at,
+            failed_at=failed_at,
+            interrupted_step=reached + 1,
+        )
+        if reached > self.progress_at_last_failure:
+            self.failures_without_progress = 0
+        self.failures_without_progress += 1
+        self.progress_at_last_failure = reached
+        if self.failures_without_progress > self.ft.max_failures_without_progress:
+            message = (
+                f"{self.failures_without_progress} failures in a row without a committed step "
+                f"(ft.max_failures_without_progress={self.ft.max_failures_without_progress}); giving up"
+            )
+            self.events.emit("job_abandoned", reason="no_progress", message=message)
+            self.stop()
+            return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="no_progress")
+        lost = [name for name, failure in failures.items() if failure["lost"]]
+        for name in lost:
+            self.workers[name].retired = True
+        plan = replace_lost(
+            self.generation.members,
+            lost,
+            self._ready_spares(),
+            on_no_spare=self.ft.on_no_spare,
+            largest_size=self._largest_size,
+        )
+        for spare, rank in plan.promoted.items():
+            self.spares_owed += 1
+            self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
+        if plan.abandon:
+            self.events.emit("job_abandoned", reason="no_spare", message=plan.abandon)
+            self.stop()
+            return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=plan.abandon, reason="failed")
+        if plan.wait:
+            return self._wait_for_spares(plan.members, plan.vacant)
+        if plan.shrunk_to:
+            self.events.emit("job_shrunk", world_size=plan.shrunk_to, lost_ranks=plan.vacant, demoted=plan.demoted)
+        self._publish_next(plan.members, reason="failure")
+        return None
+
+    def _publish_next(self, members: dict[str, int], *, reason: str) -> None:
+        number = self.generation.number + 1
+        self._publish(Generation(number=number, members=members, reason=reason, store_prefix=new_store_prefix(number)))
+
+    def _wait_for_spares(self, members: dict[str, int], vacant: list[int]) -> JobOutcome | None:
+        """ft.on_no_spare=wait: start replacements and hold the job until they are ready (bounded)."""
+        deadline = time.monotonic() + self.spec.store_timeout_s
+        for _ in vacant:
+            self._start_worker(self._spare_host() or min(self.hosts, key=self._live_processes), spare=True)
+        while time.monotonic() < deadline:
+            ready = self._ready_spares()
+            if len(ready) >= len(vacant):
+                for rank, spare in zip(vacant, ready, strict=False):
+                    members[spare] = rank
+                    self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
+                self._publish_next(members, reason="failure")
+                return None
+            self.wait_for_change(0.1)
+            self._drain()
+        self.stop()
+        return JobOutcome(
+            ok=False,
+            exit_codes=self.exit_codes(),
+            reason="failed",
+            message=f"no replacement became ready within {self.spec.store_timeout_s:.0f} s",
+        )
+
+    def _maybe_grow(self) -> None:
+        """A shrunken job takes ready spares back at the next step boundary (a planned generation change)."""
+        if self.generation.world_size >= self.spec.nproc or self._recovering():
+            return
+        ready = self._ready_spares()
+        size = self._largest_size(min(self.spec.nproc, self.generation.world_size + len(ready)))
+        if size <= self.generation.world_size:
+            return
+        grown = dict(self.generation.members)
+        for spare in ready[: size - len(grown)]:
+            grown[spare] = len(grown)
+        self.spares_owed += size - self.generation.world_size
+        self._publish_next(grown, reason="grow")
+
+    def _largest_size(self, at_most: int) -> int:
+        """The largest world size up to `at_most` that the job can run at (0: none)."""
+        return max((size for size in range(1, at_most + 1) if self._can_run_at(size)), default=0)
+
+    def _start_owed_spares(self) -> None:
+        """Replace promoted spares once the recovery is over, so the new spare does not slow it down."""
+        while self.spares_owed and not self._recovering() and (host := self._spare_host()) is not None:
+            self.spares_owed -= 1
+            self._start_worker(host, spare=True, background=True)
+
+    def _spare_host(self) -> str | None:
+        """The live host with the most free slots (None: every host is full; a replaced node will bring some)."""
+        free = {h: self.hosts[h].capacity - self._live_processes(h) for h in self.hosts}
+        best = max(free, key=free.get, default=None)
+        return best if best is not None and free[best] > 0 else None
+
+    def _live_processes(self, host: str) -> int:
+        return sum(self.workers[n].alive for n in self.hosts[host].workers)
+
+    def _replace_lost_spares(self) -> None:
+        for name, worker in self.workers.items():
+            if name not in self.generation.members and not worker.retired and worker.exit_code is not None:
+                worker.retired = True
+                self.events.emit("spare_lost", worker_name=name, detail=describe_exit(worker.exit_code))
+                self.spares_owed += 1
+
+    def _inject_faults(self) -> None:
+        if not self.injector.active:
+            return
+        members = self.generation.members
+        sender = next((n for n in members if self.workers[n].source_of == self.generation.number), None)
+        progress = self._progress()
+        strikes = self.injector.due(
+            now=time.time(),
+            members=members,
+            progress=progress,
+            spares=self._spares(),
+            recovering=self._recovering(),
+            sender=sender,
+        )
+        for strike in strikes:
+            worker = self.workers[strike.worker]
+            if strike.event.kind == "kill_host":
+                for name in self.hosts[worker.host].workers:
+                    self.injected_at[name] = time.time()
+                self.kill_host(worker.host)
+            else:
+                self._to_host(worker.host, SignalWorker(worker=strike.worker, signum=strike.signum))
+                self.injected_at[strike.worker] = time.time()
+            self.events.emit(
+                "fault_injected",
+                kind=strike.event.kind,
+                worker_name=strike.worker,
+                target_rank=members.get(strike.worker),
+                signal=signal_name(strike.signum),
+                host=worker.host,
+                step=progress.get(strike.worker, 0) + 1,
+                generation=self.generation.number,
+            )
+
+    # --- helpers ----------------------------------------------------------------------------------------------
+
+    def _progress(self) -> dict[str, int]:
+        """Committed steps per member of the current generation (reports from older generations count too)."""
+        return {n: self.workers[n].committed[1] for n in self.generation.members if self.workers[n].committed}
+
+    def _recovering(self) -> bool:
+        """True until every member of the current generation has committed a step in it."""
+        return any((self.workers[n].committed or (0, 0))[0] != self.generation.number for n in self.generation.members)
+
+    def _spares(self) -> list[str]:
+        """Live workers that are not members of the current generation."""
+        return [n for n, w in self.workers.items() if n not in self.generation.members and w.alive]
+
+    def _ready_spares(self) -> list[str]:
+        return [n for n in self._spares() if self.workers[n].ready]
+
+    def _can_run_at(self, world_size: int) -> bool:
+        return world_size >= 1 and (not self.ft.world_sizes or world_size in self.ft.world_sizes)
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {name: w.exit_code for name, w in self.workers.items()}
+
+    def request_stop(self) -> None:
+        """Preemption: every worker stops cleanly at the same step boundary (writing a final checkpoint when
+        checkpoints are enabled) and exits; keep polling for the outcome.
+
+        The boundary is two steps past the most advanced progress report: a worker reports each step before it
+        checks for a stop, so none can have passed that boundary unseen, and all of them stop there together
+        (workers stopping one step apart would leave the others blocked in a collective)."""
+        self._drain()
+        stop_at = max(self._progress().values(), default=0) + 2
+        for host in self.hosts:
+            self._to_host(host, StopAt(step=stop_at))
+        self.events.emit("stop_requested", stop_at=stop_at)
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, waking at once when an agent reports anything (a worker's exit among it)."""
+        readable, _, _ = select.select([self._wake_r], [], [], max(0.0, timeout_s))
+        if readable:
+            os.read(self._wake_r, 65536)
+
+    def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
+        while (outcome := self.poll()) is None:
+            self.wait_for_change(poll_interval_s)
+        return outcome
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """Every agent kills what is left on its host and exits (a clean stop is `request_stop`)."""
+        for host in list(self.hosts):
+            self._to_host(host, Shutdown(reason="job ended"))
+        deadline = time.monotonic() + timeout_s
+        while self.hosts and time.monotonic() < deadline:
+            self.wait_for_change(deadline - time.monotonic())
+            self._drain()
+
+    def close(self) -> None:
+        if self.spec is not None:
+            self.stop()
+        self.listener.close()
+        if self.events is not None:
+            self.events.close()
+        self.store = None
+
+    def _to_host(self, host: str, message) -> None:
+        if host not in self.hosts:
+            return
+        try:
+            self.hosts[host].channel.send(message)
+        except ChannelClosed:
+            self._put(host, None)
+
+    # --- threads ---------------------------------------------------------------------------------------------------
+
+    def _put(self, host, message) -> None:
+        self.inbox.put((host, message, time.monotonic()))
+        os.write(self._wake_w, b"x")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, address = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(sock, address), daemon=True).start()
+
+    def _greet(self, sock: socket.socket, address) -> None:
+        peer = f"{address[0]}:{address[1]}"
+        try:
+            channel = accept_channel(sock, secret=self.secret, peer=peer)
+            hello = channel.recv()
+            if not isinstance(hello, Hello) or hello.role != "agent":
+                raise ProtocolError(f"{peer}: the first message must be an agent's Hello")
+        except (ProtocolError, ChannelClosed) as error:
+            sock.close()
+            self._refused(peer, str(error))
+            return
+        self._put(channel, hello)
+
+    def _refused(self, peer: str, reason: str) -> None:
+        if self.events is not None:
+            self.events.emit("control_refused", peer=peer, reason=reason)
+        else:
+            self.refusals.append((peer, reason))
+
+    def _read_host(self, host: str, channel) -> None:
+        while True:
+            try:
+                message = channel.recv()
+            except ChannelClosed:
+                break
+            except ProtocolError as error:
+                self._refused(f"agent {host}", str(error))
+                channel.close()
+                break
+            self._put(host, message)
+        self._put(host, None)
+
+
+def _bound_store(address: str, *, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """The c10d store, listening on `address` only (its own bind would take every interface); keep the socket open
+    as long as the store."""
+    sock = socket.create_server((address, 0), backlog=1024)
+    store = dist.TCPStore(
+        address,
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return store, sock

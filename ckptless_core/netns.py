@@ -1,0 +1,196 @@
+"""Emulated hosts on one machine (`cluster=netns`): each host is its own network, PID and UTS namespace, joined to
+the others by a veth pair on a bridge of its own, so its processes cannot see or signal another host's and reach
+them only over the network, as real hosts do. Needs root.
+
+    bridge ckl<pid>br  10.213.K.1/24   (the coordinator binds here)
+      |-- veth ckl<pid>h0 -- netns ckl<pid>h0: eth0 10.213.K.10, lo   (agent = PID 1 of its PID namespace)
+      |-- veth ckl<pid>h1 -- netns ckl<pid>h1: eth0 10.213.K.11, lo
+
+Addresses exist only on the bridge and inside the namespaces this module creates; traffic stays between them. The
+agent of a host runs as PID 1 of the host's PID namespace: when it is SIGKILLed, the kernel kills every process of
+the host at the same instant (`kill_host` takes the link down first, so no connection reset reaches the peers, as
+with a host that lost power). Everything is removed at the end, and a set left by a launcher that was killed is
+removed at the next start (names carry the owning launcher's pid).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "ckl"
+_NAME = re.compile(rf"^{PREFIX}(\d+)(br|h\d+)$")
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces cannot be made here (not root, or no `ip`/`unshare`)."""
+
+
+def check_available() -> None:
+    """Raise NetnsUnavailable with the reason and the fix if emulated hosts cannot be made on this machine."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable(
+            "cluster=netns makes network namespaces, which needs root: run as root, or use cluster=local"
+        )
+    for tool in ("ip", "unshare", "hostname"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            raise NetnsUnavailable(
+                f"cluster=netns needs the `{tool}` command (iproute2 / util-linux), which is missing"
+            )
+
+
+@dataclass
+class EmulatedHost:
+    name: str
+    """The host's name in the job and its hostname (`host0`, ...)."""
+    netns: str
+    veth: str
+    """The bridge side of the host's link."""
+    address: str
+    process: subprocess.Popen | None = None
+    """`unshare`, whose only child is the host's agent (PID 1 of the host's PID namespace)."""
+
+
+class EmulatedHosts:
+    def __init__(self, count: int, *, owner_pid: int | None = None) -> None:
+        check_available()
+        self.owner = owner_pid or os.getpid()
+        remove_stale()
+        self.bridge = f"{PREFIX}{self.owner}br"
+        self.subnet = _free_subnet()
+        self.gateway = f"{self.subnet}.1"
+        self.hosts: list[EmulatedHost] = []
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for _ in range(count):
+                self.add()
+        except Exception:
+            self.remove()
+            raise
+
+    def add(self) -> EmulatedHost:
+        """One more host, `host<i>` with the next index: its namespace, its link to the bridge, its address."""
+        i = len(self.hosts)
+        if i > 200:
+            raise NetnsUnavailable("more than 200 emulated hosts: the subnet is full")
+        name = f"{PREFIX}{self.owner}h{i}"
+        host = EmulatedHost(name=f"host{i}", netns=name, veth=name, address=f"{self.subnet}.{10 + i}")
+        self.hosts.append(host)
+        _ip("netns", "add", host.netns)
+        _ip("link", "add", host.veth, "type", "veth", "peer", "name", f"{host.veth}n")
+        _ip("link", "set", f"{host.veth}n", "netns", host.netns)
+        _ip("-n", host.netns, "link", "set", f"{host.veth}n", "name", "eth0")
+        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _ip("-n", host.netns, "link", "set", "eth0", "up")
+        _ip("-n", host.netns, "link", "set", "lo", "up")
+        _ip("link", "set", host.veth, "master", self.bridge)
+        _ip("link", "set", host.veth, "up")
+        return host
+
+    def start(self, host: EmulatedHost, command: list[str], *, env: dict[str, str]) -> None:
+        """Run `command` (the host's agent) as PID 1 of a fresh PID and UTS namespace inside the host's network."""
+        host.process = subprocess.Popen(
+            ["ip", "netns", "exec", host.netns, "unshare", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc"]
+            + ["sh", "-c", 'hostname "$0" && exec "$@"', host.name, *command],
+            env=env,
+            start_new_session=True,
+        )
+
+    def kill(self, host: EmulatedHost) -> None:
+        """Power the host off: its link goes down, then every process on it is SIGKILLed at once."""
+        _ip("link", "set", host.veth, "down")
+        if host.process is not None:
+            for pid in _children(host.process.pid):
+                _kill(pid)  # the agent, PID 1 of the host's namespace: the kernel kills the rest with it
+            _kill(host.process.pid)
+            host.process.wait(timeout=10)
+
+    def remove(self) -> None:
+        """Kill every process of every host and delete the namespaces, links and bridge (idempotent)."""
+        for host in self.hosts:
+            if host.process is not None and host.process.poll() is None:
+                self.kill(host)
+        _remove_set(self.owner)
+
+
+def remove_stale() -> None:
+    """Remove every set of emulated hosts whose launcher is gone (it was killed before it could clean up)."""
+    owners = {int(m.group(1)) for name in _our_names() if (m := _NAME.match(name))}
+    for owner in owners:
+        if not _alive(owner):
+            _remove_set(owner)
+
+
+def leftovers() -> list[str]:
+    """Namespaces and links of emulated hosts that still exist (tests assert there are none)."""
+    return sorted(_our_names())
+
+
+def _remove_set(owner: int) -> None:
+    for name in _netns_names():
+        if (m := _NAME.match(name)) and int(m.group(1)) == owner:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                _kill(int(pid))
+            _ip("netns", "delete", name, check=False)
+    for name in _link_names():
+        if (m := _NAME.match(name)) and int(m.group(1)) == owner:
+            _ip("link", "delete", name, check=False)
+
+
+def _our_names() -> set[str]:
+    return {n for n in _netns_names() + _link_names() if _NAME.match(n)}
+
+
+def _netns_names() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _link_names() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2]
+
+
+def _free_subnet() -> str:
+    """A 10.213.K.0/24 no interface of this machine uses."""
+    used = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    for k in range(os.getpid() % 200, os.getpid() % 200 + 200):
+        candidate = f"10.213.{k % 250 + 1}"
+        if f" {candidate}." not in used:
+            return candidate
+    raise NetnsUnavailable("no free 10.213.K.0/24 subnet for emulated hosts")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and result.returncode:
+        raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

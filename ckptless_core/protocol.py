@@ -1,0 +1,457 @@
+"""The control protocol of a job: the messages between the coordinator, the node agents and the workers, the
+authenticated channel that carries them, generations, and the blame rule for a stalled step.
+
+    coordinator  <-- one channel per host -->  node agent  <-- one channel per process -->  worker / spare
+
+The coordinator owns membership and decides; an agent starts, watches, signals and fences the processes of its host
+and relays between them and the coordinator; a worker reports heartbeats and progress and learns each generation
+from its agent. Every channel starts with a mutual challenge-response on the job's secret and then carries frames
+`length | sequence | HMAC-SHA256 | JSON body`: a peer without the secret cannot connect, and a frame replayed,
+reordered or reflected back is refused. Bodies are JSON checked against the message's dataclass when read; nothing
+from the network is unpickled. The c10d store keeps only the collective backend's rendezvous, under a generation's
+unguessable prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import typing
+from dataclasses import asdict, dataclass, field, fields
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+HANDSHAKE_TIMEOUT_S = 5.0
+_HEADER = struct.Struct("!IQ")  # body length, sequence number
+_MAC_BYTES = 32
+_GREETING = b"ckptless-control-1"
+
+
+class ProtocolError(Exception):
+    """A peer failed authentication, or sent a frame or message that is not valid here: the channel is closed."""
+
+
+class ChannelClosed(Exception):
+    """The peer closed the channel (or its process ended)."""
+
+
+# --- generations --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Membership between two changes, published by the coordinator; a message like every other."""
+
+    number: int = 0
+    """Increases with every membership change."""
+    members: dict[str, int] = field(default_factory=dict)
+    """Worker name -> data-parallel rank."""
+    reason: str = "start"
+    """Why it began: `start`, `failure`, `grow`."""
+    store_prefix: str = ""
+    """The c10d store prefix of this generation's process group: unguessable, so only members can rendezvous."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+# --- messages ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message on every channel: who connects, and what it was built from."""
+
+    role: str
+    """`agent` (to the coordinator) or `worker` (to its agent)."""
+    name: str
+    """Host name for an agent, worker name for a worker."""
+    version: str
+    """The ckptless version the process runs."""
+    config_sha256: str = ""
+    """Agents: SHA-256 of the job's config file, which must match the coordinator's."""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Coordinator -> agent after a matching Hello: what the host runs."""
+
+    job: dict[str, typing.Any]
+    """The agent's instructions (see `agent.HostJob`)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The peer is not admitted; `reason` says why and how to fix it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartWorker:
+    worker: str
+    spare: bool
+    background: bool = False
+    """Build at low priority (a replacement spare, not to slow the job it will serve)."""
+
+
+@dataclass(frozen=True)
+class SignalWorker:
+    worker: str
+    signum: int
+
+
+@dataclass(frozen=True)
+class FenceWorker:
+    """Kill `worker` now: it was declared failed and must never act again before anyone replaces it."""
+
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerStarted:
+    worker: str
+    pid: int
+    spare: bool
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    worker: str
+    exit_code: int
+    """Negative: killed by that signal."""
+
+
+@dataclass(frozen=True)
+class StopAt:
+    """Preemption: every worker stops cleanly once it has committed `step`."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Coordinator -> agent: kill what is left and exit."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class HostHeartbeat:
+    """From an agent, every `heartbeat_interval_s`: the host is reachable. Judged on the coordinator's clock."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """From a worker's side thread: the process lives (not that its training makes progress)."""
+
+    worker: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker or spare has built its model and can take a rank."""
+
+    worker: str
+
+
+MARKERS = ("step_entered", "collective_entered", "collective_waiting", "collective_done", "committed")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """From a worker's main thread: where it is in its step. `committed` means `step` steps are done;
+    `collective_waiting` repeats while the main thread waits in a collective, so a rank whose main thread is stuck
+    falls silent while its heartbeat goes on."""
+
+    worker: str
+    generation: int
+    step: int
+    """Steps committed (the step in progress is `step + 1`)."""
+    marker: str
+    """One of MARKERS."""
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A worker noticed a failure it survived (a collective failed or timed out, an error in its step)."""
+
+    worker: str
+    generation: int
+    step: int
+    kind: str
+    """`collective` (a peer's failure seen from here) or `exception` (raised by this rank's training code)."""
+    error: str
+
+
+@dataclass(frozen=True)
+class SourceAnnounced:
+    """A worker is the state source of the generation forming."""
+
+    worker: str
+    generation: int
+
+
+MESSAGES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Refused,
+        StartWorker,
+        SignalWorker,
+        FenceWorker,
+        WorkerStarted,
+        WorkerExited,
+        Generation,
+        StopAt,
+        Shutdown,
+        HostHeartbeat,
+        Heartbeat,
+        Ready,
+        Progress,
+        FailureReport,
+        SourceAnnounced,
+    )
+}
+WORKER_REPORTS = (Heartbeat, Ready, Progress, FailureReport, SourceAnnounced)
+"""What a worker may send; its agent relays them to the coordinator."""
+
+
+def encode(message) -> bytes:
+    return json.dumps({"type": type(message).__name__, **asdict(message)}, separators=(",", ":")).encode()
+
+
+def decode(body: bytes):
+    """The message in `body`, with every field present and of its declared type; else ProtocolError."""
+    try:
+        record = json.loads(body)
+        cls = MESSAGES[record.pop("type")]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ProtocolError("not a control message") from None
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    if not set(record) <= names:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(record) - names)}")
+    for name, value in record.items():
+        if not _has_type(value, hints[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: {value!r} is not {hints[name]}")
+    try:
+        message = cls(**record)
+    except TypeError as error:
+        raise ProtocolError(f"{cls.__name__}: {error}") from None
+    if isinstance(message, Progress) and message.marker not in MARKERS:
+        raise ProtocolError(f"Progress.marker: {message.marker!r} is not one of {MARKERS}")
+    return message
+
+
+def _has_type(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items()
+        )
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    return isinstance(value, hint)
+
+
+# --- the channel ----------------------------------------------------------------------------------------------------
+
+
+class Channel:
+    """One authenticated, ordered connection. `send` may be called from several threads; `recv` from one."""
+
+    def __init__(self, sock: socket.socket, *, session_key: bytes, is_server: bool, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._key = session_key
+        self._send_tag, self._recv_tag = (b"s>c", b"c>s") if is_server else (b"c>s", b"s>c")
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._send_lock = threading.Lock()
+        self.sock.settimeout(None)
+
+    def send(self, message) -> None:
+        body = encode(message)
+        with self._send_lock:
+            self._send_seq += 1
+            header = _HEADER.pack(len(body), self._send_seq)
+            mac = hmac.new(self._key, self._send_tag + header + body, hashlib.sha256).digest()
+            try:
+                self.sock.sendall(header + mac + body)
+            except OSError as error:
+                raise ChannelClosed(f"{self.peer}: {error}") from None
+
+    def recv(self):
+        header = self._read(_HEADER.size)
+        length, seq = _HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ProtocolError(f"{self.peer}: frame of {length} bytes is over the limit")
+        mac = self._read(_MAC_BYTES)
+        body = self._read(length)
+        expected = hmac.new(self._key, self._recv_tag + header + body, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise ProtocolError(f"{self.peer}: a frame failed authentication (forged or altered)")
+        if seq != self._recv_seq + 1:
+            raise ProtocolError(f"{self.peer}: frame {seq} after {self._recv_seq} (replayed or reordered)")
+        self._recv_seq = seq
+        return decode(body)
+
+    def _read(self, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            try:
+                chunk = self.sock.recv(left)
+            except OSError as error:
+                raise ChannelClosed(f"{self.peer}: {error}") from None
+            if not chunk:
+                raise ChannelClosed(f"{self.peer} closed the channel")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def accept_channel(sock: socket.socket, *, secret: bytes, peer: str) -> Channel:
+    """Server side of the handshake on an accepted socket; ProtocolError if the client lacks the secret."""
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        server_nonce = os.urandom(32)
+        sock.sendall(_GREETING + server_nonce)
+        answer = _read_exact(sock, 32 + _MAC_BYTES)
+        client_nonce, proof = answer[:32], answer[32:]
+        if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
+            raise ProtocolError(f"{peer}: failed authentication (no or wrong job secret)")
+        sock.sendall(_mac(secret, b"server", server_nonce, client_nonce))
+    except (OSError, EOFError) as error:
+        raise ProtocolError(f"{peer}: handshake failed: {error}") from None
+    key = _mac(secret, b"session", server_nonce, client_nonce)
+    return Channel(sock, session_key=key, is_server=True, peer=peer)
+
+
+def connect_channel(address: tuple[str, int], *, secret: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
+    """Client side: connect and prove the secret; ProtocolError if the server cannot prove it back."""
+    sock = socket.create_connection(address, timeout=timeout_s)
+    try:
+        greeting = _read_exact(sock, len(_GREETING) + 32)
+        if not greeting.startswith(_GREETING):
+            raise ProtocolError(f"{address}: not a ckptless control endpoint")
+        server_nonce, client_nonce = greeting[len(_GREETING) :], os.urandom(32)
+        sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+        if not hmac.compare_digest(_read_exact(sock, _MAC_BYTES), _mac(secret, b"server", server_nonce, client_nonce)):
+            raise ProtocolError(f"{address}: the server does not hold this job's secret")
+    except (OSError, EOFError) as error:
+        sock.close()
+        raise ProtocolError(f"{address}: handshake failed: {error}") from None
+    except ProtocolError:
+        sock.close()
+        raise
+    key = _mac(secret, b"session", server_nonce, client_nonce)
+    return Channel(sock, session_key=key, is_server=False, peer=f"{address[0]}:{address[1]}")
+
+
+def _mac(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("connection closed during the handshake")
+        data += chunk
+    return data
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def write_secret_file(path: os.PathLike | str, secret: bytes) -> None:
+    """Create the job's secret file readable by its owner only (0600), before any agent starts."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secret.hex() + "\n")
+
+
+def read_secret(*, path: str | None = None, hex_value: str | None = None) -> bytes:
+    """The job's secret from a file or a hex string (the environment); ValueError naming the source if unusable."""
+    source = hex_value if hex_value is not None else open(path).read() if path else None
+    if not source:
+        raise ValueError("no job secret: give --secret-file (or CKPTLESS_SECRET_FILE / CKPTLESS_SECRET)")
+    try:
+        secret = bytes.fromhex(source.strip())
+    except ValueError:
+        raise ValueError(f"the job secret in {path or 'the environment'} is not hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"the job secret in {path or 'the environment'} is too short (at least 16 bytes)")
+    return secret
+
+
+def new_store_prefix(generation: int) -> str:
+    return f"{secrets.token_hex(16)}/gen{generation}"
+
+
+# --- blame ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Position:
+    """The latest progress marker of a rank, as the coordinator received it (its own clock)."""
+
+    step: int
+    marker: str
+    received_at: float
+    """When the marker arrived (coordinator's monotonic clock); `collective_waiting` renews it."""
+    since: float
+    """When this rank's current position (step and marker other than a renewal) began."""
+
+
+def blame_stalled(positions: dict[str, Position], *, now: float, stall_timeout_s: float) -> list[str]:
+    """The ranks a stalled step is waiting for, or [] while nothing is stalled.
+
+    A step is stalled when some rank has waited inside its collective for `stall_timeout_s` (its main thread still
+    renewing `collective_waiting`). The culprits are the ranks that did not arrive: those not yet in that step's
+    collective, and those whose main thread fell silent inside it. Ranks that are waiting, which are the ranks that
+    would report the collective's timeout, are never blamed."""
+    frontier = max((p.step for p in positions.values() if p.marker in _IN_COLLECTIVE), default=None)
+    if frontier is None:
+        return []
+    waiting = {
+        name
+        for name, p in positions.items()
+        if p.step == frontier and p.marker in _IN_COLLECTIVE and now - p.received_at < stall_timeout_s / 2
+    }
+    longest = max((now - positions[name].since for name in waiting), default=0.0)
+    if longest < stall_timeout_s:
+        return []
+    done = {name for name, p in positions.items() if p.step > frontier or p.marker == "collective_done"}
+    return sorted(name for name in positions if name not in waiting and name not in done)
+
+
+_IN_COLLECTIVE = ("collective_entered", "collective_waiting")

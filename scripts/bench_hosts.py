@@ -1,0 +1,174 @@
+"""Benchmark: whole hosts lost, and ranks stuck while alive, on emulated hosts (`cluster=netns`, needs root).
+
+`tiny_llama` on 2 training hosts of 1 worker each plus 1 spare host. A seeded schedule of host losses
+(`fault=kill_host`: the host's link goes down, every process on it is SIGKILLed at once; each lost host is replaced
+by a fresh one that joins as a spare host, as a cluster's scheduler replaces a failed node) runs under
+`ft=ckptless`, beside a fault-free run of the same layout whose `param_sha256` the faulty run must reproduce.
+Then one run per place a rank can get stuck (`fault=stuck`, `where=compute` and `where=collective`) measures what
+a stuck rank costs. Every run is `python -m launcher ...`, as a user starts it.
+
+    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~6 min
+    python scripts/bench_hosts.py --steps 300 --losses 2 # quick check
+
+Target: time lost per host loss at most `ft.host_timeout_s` + 1 s. Writes bench_results/bench_hosts.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def loss_schedule(*, steps: int, losses: int, num_hosts: int, seed: int) -> list[dict]:
+    """`losses` host losses spread evenly over the run (each +-20 %, seeded), each of a seeded random host."""
+    rng = random.Random(seed)
+    every = steps // (losses + 1)
+    return [
+        {
+            "kind": "kill_host",
+            "host": rng.randrange(num_hosts),
+            "step": every * (i + 1) + rng.randint(-every // 5, every // 5),
+        }
+        for i in range(losses)
+    ]
+
+
+def fault_args(faults: list[dict]) -> list[str]:
+    if not faults:
+        return []
+    first, more = faults[0], faults[1:]
+    args = [f"fault={first['kind']}"] + [f"fault.{k}={v}" for k, v in first.items() if k != "kind"]
+    if more:
+        items = ",".join("{" + ",".join(f"{k}:{v}" for k, v in event.items()) + "}" for event in more)
+        args.append(f"fault.more=[{items}]")
+    return args
+
+
+def launch(run_dir: Path, *args: str) -> dict:
+    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", "cluster=netns", *args]
+    command += [f"run.dir={run_dir}", "run.overwrite=true"]
+    print(f"$ {' '.join(command[1:])}", flush=True)
+    started = time.time()
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print("  " + done.stdout.strip().splitlines()[-1], flush=True)
+    return {
+        "run_dir": str(run_dir),
+        "wall_s": time.time() - started,
+        **json.loads((run_dir / "summary.json").read_text()),
+    }
+
+
+def phases(recoveries: list[dict]) -> dict:
+    keys = ("detect_s", "rebuild_s", "transfer_s", "replay_s", "time_to_recover_s")
+    done = [r for r in recoveries if r.get("completed")]
+    return {key: statistics.median(r[key] for r in done) if done else None for key in keys} | {
+        "per_failure_s": [round(r["time_to_recover_s"], 3) for r in done]
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--losses", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host-timeout-s", type=float, default=2.0)
+    parser.add_argument("--stall-timeout-s", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=REPO / "bench_results")
+    options = parser.parse_args(argv)
+    runs = options.out / "hosts_runs"
+    common = [
+        f"trainer.max_steps={options.steps}",
+        "trainer.print_every=100000",
+        f"ft.host_timeout_s={options.host_timeout_s}",
+    ]
+    schedule = loss_schedule(steps=options.steps, losses=options.losses, num_hosts=2, seed=options.seed)
+    print(f"host losses (step, host): {[(e['step'], e['host']) for e in schedule]}", flush=True)
+    reference = launch(runs / "fault_free", *common, "ft.spares=0")
+    faulty = launch(runs / "kill_host", *common, "ft.spares=0", *fault_args(schedule))
+    stuck = {}
+    for where in ("compute", "collective"):
+        event = {"kind": "stuck", "rank": 1, "step": options.steps // 2, "where": where}
+        stuck[where] = launch(
+            runs / f"stuck_{where}", *common, f"ft.stall_timeout_s={options.stall_timeout_s}", *fault_args([event])
+        )
+    lost = phases(faulty["recoveries"])
+    budget = options.host_timeout_s + 1.0
+    result = {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": version("torch"),
+        "layout": "cluster=netns: 2 training hosts x 1 worker + 1 spare host, ft.spares=0, tiny_llama",
+        "schedule": schedule,
+        "host_losses": {
+            "failures": len(faulty["failures"]),
+            "time_lost_median_by_phase_s": lost,
+            "target_s": budget,
+            "target_met": lost["time_to_recover_s"] is not None and max(lost["per_failure_s"]) <= budget,
+            "goodput": faulty.get("goodput"),
+            "fault_free_goodput": reference.get("goodput"),
+            "param_sha256_equal": faulty["param_sha256"] == reference["param_sha256"],
+        },
+        "stuck": {
+            where: {
+                "detected_by": [f["detected_by"] for f in run["failures"]],
+                "time_lost_s": phases(run["recoveries"]),
+                "stall_timeout_s": options.stall_timeout_s,
+                "param_sha256_equal": run["param_sha256"] == reference["param_sha256"],
+            }
+            for where, run in stuck.items()
+        },
+        "baseline": "not measured yet: torchrun with c10d rendezvous across the namespaces (the multi-node form of "
+        "ft=checkpoint_restart) is not built",
+    }
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "bench_hosts.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"# bench_hosts ({result['when']}, {result['machine']}, torch {result['torch']})",
+        "",
+        f"{result['layout']}; {options.steps} steps; host losses at (step, host) "
+        f"{[(e['step'], e['host']) for e in schedule]}",
+        "",
+        "| | time lost, median | detect | rebuild | transfer | replay | per failure | final hash = fault-free |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [("host lost", lost, result["host_losses"]["param_sha256_equal"])]
+    rows += [
+        (f"rank stuck in {w}", result["stuck"][w]["time_lost_s"], result["stuck"][w]["param_sha256_equal"])
+        for w in stuck
+    ]
+    for name, p, equal in rows:
+        cells = [
+            f"{p[k]:.2f} s" if p[k] is not None else "-"
+            for k in ("time_to_recover_s", "detect_s", "rebuild_s", "transfer_s", "replay_s")
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {p['per_failure_s']} | {'yes' if equal else 'NO'} |")
+    goodput = result["host_losses"]["goodput"] or {}
+    lines += [
+        "",
+        f"Target: time lost per host loss at most ft.host_timeout_s + 1 = {budget:.1f} s: "
+        f"{'met' if result['host_losses']['target_met'] else 'NOT met'}. Goodput with {len(schedule)} host losses: "
+        f"{goodput.get('goodput', float('nan')) * 100:.1f} %.",
+        f"Baseline: {result['baseline']}.",
+    ]
+    (options.out / "bench_hosts.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Many hosts: emulated hosts (`cluster=netns`, each its own network, PID and UTS namespace) lose a whole host or a
+worker, a rank gets stuck while alive, and the final parameters are compared bitwise with a run that had no failure.
+Every test checks that no namespace, link or process of the emulated hosts is left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ckptless_core import netns
+from ckptless_core.events import read_events
+from tests.conftest import OFFLINE, read_summary
+
+STEPS = 24
+FAULT_STEP = 10
+NETNS = ("cluster=netns", "ft.host_timeout_s=2")
+
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
+    reason="emulated hosts need root and the ip and unshare commands (network namespaces)",
+)
+
+
+@pytest.fixture(scope="module")
+def run(launch, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hosts")
+
+    def go(name: str, *overrides: str):
+        run_dir = root / name
+        proc = launch(
+            "recipe=tiny_llama",
+            f"trainer.max_steps={STEPS}",
+            "trainer.print_every=100",
+            *overrides,
+            f"run.dir={run_dir}",
+        )
+        return proc, run_dir
+
+    return go
+
+
+@pytest.fixture(scope="module")
+def fault_free(run):
+    """The hash of a fault-free run of the same layout (2 data-parallel workers) on one host."""
+    proc, run_dir = run("reference", "ft.spares=0")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return read_summary(run_dir)["param_sha256"]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    assert netns.leftovers() == [], "emulated hosts left behind"
+
+
+def assert_recovered(proc, run_dir, *, expected_hash: str, failures: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["param_sha256"] == expected_hash
+    assert len(summary["failures"]) == failures, summary["failures"]
+    return summary
+
+
+def hosts_of_workers(run_dir) -> dict[str, str]:
+    return {e["worker_name"]: e["host"] for e in read_events(run_dir / "events") if e["event"] == "worker_started"}
+
+
+@needs_netns
+def test_a_lost_host_is_replaced_from_the_spare_host_with_the_fault_free_parameters(run, fault_free):
+    proc, run_dir = run(
+        "kill-host", *NETNS, "ft.spares=0", "fault=kill_host", "fault.host=1", f"fault.step={FAULT_STEP}"
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=1)
+    failure = summary["failures"][0]
+    assert failure["kind"] == "host_lost" and failure["detected_by"] == "host_timeout" and failure["rank"] == 1
+    events = read_events(run_dir / "events")
+    promoted = next(e["worker_name"] for e in events if e["event"] == "spare_promoted")
+    assert hosts_of_workers(run_dir)[promoted] == "host2"  # the spare host
+    # The newcomer got the state from the healthy peer on host0, over the collective backend, across hosts.
+    recovery = summary["recoveries"][0]
+    assert recovery["completed"] and recovery["bytes_moved"] > 0
+    # The survivor blocked in a collective with the lost host did not wait out the collective timeout.
+    assert recovery["time_to_recover_s"] < 2 + 10
+
+
+@needs_netns
+def test_a_killed_worker_and_a_hung_one_on_emulated_hosts(run, fault_free):
+    proc, run_dir = run(
+        "kill-and-hang",
+        *NETNS,
+        "ft.heartbeat_timeout_s=2",
+        "fault=kill_worker",
+        "fault.rank=0",
+        "fault.step=6",
+        f"fault.more=[{{kind:hang,rank:1,step:{FAULT_STEP + 6}}}]",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=2)
+    assert [f["detected_by"] for f in summary["failures"]] == ["process_exit", "heartbeat"]
+
+
+@needs_netns
+@pytest.mark.parametrize("where", ["compute", "collective"])
+def test_a_rank_stuck_while_alive_is_blamed_fenced_and_replaced(run, fault_free, where):
+    proc, run_dir = run(
+        f"stuck-{where}",
+        *NETNS,
+        "ft.stall_timeout_s=2",
+        "fault=stuck",
+        "fault.rank=1",
+        f"fault.step={FAULT_STEP}",
+        f"fault.where={where}",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=1)
+    failure = summary["failures"][0]
+    assert failure["kind"] == "stuck" and failure["detected_by"] == "progress" and failure["rank"] == 1
+    events = read_events(run_dir / "events")
+    assert any(e["event"] == "worker_fenced" and e["worker_name"] == failure["worker"] for e in events)
+    # The rank that waited for it, and reported nothing worse than a timeout, was never blamed and never left.
+    assert {f["worker"] for f in summary["failures"]} == {failure["worker"]}
+    assert summary["exit_codes"]["worker0"] == 0
+
+
+def test_kill_host_needs_emulated_hosts(launch, tmp_path):
+    proc = launch("recipe=tiny_llama", "fault=kill_host", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "cluster=netns" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_agents_started_by_hand_join_a_job_on_hosts_and_a_mismatched_one_is_refused(token_cache, tmp_path, fault_free):
+    """`cluster=hosts` with two agents started as an operator would (on this machine's loopback); a third agent
+    started with another run's directory is refused, with a message on both sides."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text("seed: 1\n")
+    env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "recipe=tiny_llama", "cluster=hosts", "ft.spares=0"]
+        + [f"trainer.max_steps={STEPS}", f"run.dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    agents = []
+    try:
+        lines = []
+        while not any("--coordinator" in line for line in lines):
+            line = launcher.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        coordinator = re.search(r"--coordinator (\S+)", "".join(lines)).group(1)
+        secret_file = run_dir / "control.secret"
+        assert secret_file.stat().st_mode & 0o777 == 0o600
+
+        def agent(host: str, directory) -> subprocess.Popen:
+            command = [sys.executable, "-m", "ckptless_core.agent", "--coordinator", coordinator]
+            command += ["--secret-file", str(secret_file), "--run-dir", str(directory), "--host", host]
+            return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+
+        stray = agent("stray", other)
+        assert stray.wait(timeout=60) == 2
+        assert "another config.yaml" in stray.stderr.read()
+        agents = [agent(host, run_dir) for host in ("node0", "node1")]
+        output, _ = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, "".join(lines) + output
+        assert [a.wait(timeout=60) for a in agents] == [0, 0]
+    finally:
+        for process in [launcher, *agents]:
+            process.kill()
+    assert read_summary(run_dir)["param_sha256"] == fault_free
+    hosts = {e["host"] for e in read_events(run_dir / "events") if e["event"] == "worker_started"}
+    assert hosts == {"node0", "node1"}
+    refused = [e for e in read_events(run_dir / "events") if e["event"] == "agent_refused"]
+    assert [e["host"] for e in refused] == ["stray"]
