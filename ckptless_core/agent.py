@@ -276,7 +276,10 @@ class Agent:
             sock.close()
             self.events.emit("control_refused", peer=str(address), reason=str(error))
             return
-        process = self.processes.get(getattr(hello, "name", ""))
+        name = getattr(hello, "name", "")
+        deadline = time.monotonic() + 1.0  # a worker may connect before `_start` has recorded its process
+        while (process := self.processes.get(name)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
         if not isinstance(hello, Hello) or process is None or process.pid != hello.pid:
             self.events.emit("control_refused", peer=str(address), reason=f"not a worker of this host: {hello}")
             link.close()

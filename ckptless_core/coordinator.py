@@ -9,12 +9,8 @@ is this with one agent on this machine (`LocalCluster`).
 
 from __future__ import annotations
 
-import os
-import queue
-import select
 import signal
 import socket
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -22,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ckptless_core.agent import HostJob
+from ckptless_core.control_server import ControlServer, Refusal
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultInjector, signal_name
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR, JobOutcome, JobSpec, describe_exit
@@ -35,7 +32,6 @@ from ckptless_core.protocol import (
     HostHeartbeat,
     Position,
     Progress,
-    ProtocolError,
     Ready,
     Refused,
     Shutdown,
@@ -46,7 +42,6 @@ from ckptless_core.protocol import (
     Welcome,
     WorkerExited,
     WorkerStarted,
-    accept_channel,
     blame_stalled,
     new_store_prefix,
 )
@@ -70,6 +65,8 @@ class _Worker:
     """(generation, steps committed) of the latest `committed` marker."""
     position: Position | None = None
     position_generation: int = 0
+    active_since: float = 0.0
+    """When its first progress marker of `position_generation` arrived."""
     lost_with_host: str = ""
     """Why this worker is gone with its host (empty: it is not)."""
     failure: tuple[FailureReport, float] | None = None
@@ -98,18 +95,13 @@ class Coordinator:
     def __init__(self, *, secret: bytes, bind_address: str = "127.0.0.1", port: int = 0) -> None:
         self.secret = secret
         self.bind_address = bind_address
-        self.listener = socket.create_server((bind_address, port))
-        self.address = (bind_address, self.listener.getsockname()[1])
-        self.inbox: queue.Queue = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
+        self.control = ControlServer(secret=secret, bind_address=bind_address, port=port)
+        self.address = self.control.address
         self.hosts: dict[str, _Host] = {}
-        self.pending_hellos: list[tuple[Hello, object]] = []
         self.workers: dict[str, _Worker] = {}
         self.generation = Generation()
         self.spec: JobSpec | None = None
         self.events: EventLog | None = None
-        self.refusals: list[tuple[str, str]] = []
-        """(peer, reason) of every connection or message refused before the event log exists."""
         self.next_worker_id = 0
         self.spares_owed = 0
         self.failures_without_progress = 0
@@ -118,7 +110,6 @@ class Coordinator:
         self.last_commit: tuple[int, float] = (0, time.monotonic())
         """(highest step committed by any member, when it arrived)."""
         self.store: dist.TCPStore | None = None
-        threading.Thread(target=self._accept, name="accept", daemon=True).start()
 
     # --- start ------------------------------------------------------------------------------------------------
 
@@ -132,8 +123,6 @@ class Coordinator:
             [replace(e, rank=e.host * self.per_host) if e.kind == "kill_host" else e for e in spec.faults]
         )
         self.events = EventLog(spec.run_dir / "events" / "coordinator.jsonl", worker="coordinator")
-        for peer, reason in self.refusals:
-            self.events.emit("control_refused", peer=peer, reason=reason)
         self.store, self._store_socket = _bound_store(self.bind_address, timeout_s=spec.store_timeout_s)
         self.events.emit(
             "coordinator_started", address=self.address[0], port=self.address[1], store_port=self.store.port
@@ -196,12 +185,10 @@ class Coordinator:
     # --- messages ------------------------------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        while True:
-            try:
-                host, message, received_at = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(message, Hello):
+        for host, message, received_at in self.control.messages():
+            if isinstance(message, Refusal):
+                self.events.emit("control_refused", peer=message.peer, reason=message.reason)
+            elif isinstance(message, Hello):
                 self._admit(message, host)
             elif message is None:
                 self._host_lost(host, "its agent's channel closed")
@@ -239,7 +226,7 @@ class Coordinator:
         channel.send(Welcome(job=asdict(job)))
         self.hosts[hello.name] = _Host(name=hello.name, channel=channel, last_heard=time.monotonic())
         self.events.emit("agent_joined", host=hello.name, pid=hello.pid)
-        threading.Thread(target=self._read_host, args=(hello.name, channel), daemon=True).start()
+        self.control.serve(hello.name, channel)
         if self.generation.number:
             self.hosts[hello.name].capacity = self.per_host  # a replaced node: its slots take the spares owed
 
@@ -281,6 +268,8 @@ class Coordinator:
             )
             since = previous.since if renewal else received_at
             worker.position = Position(step=message.step, marker=message.marker, received_at=received_at, since=since)
+            if message.generation != worker.position_generation:
+                worker.active_since = received_at
             worker.position_generation = message.generation
             if message.marker == "committed":
                 worker.committed = (message.generation, message.step)
@@ -370,8 +359,12 @@ class Coordinator:
 
     def _past_progress_deadline(self) -> JobOutcome | None:
         """Whatever hang is left (a stall no rule blames, a generation that never forms) ends here: exit 4."""
+        members = [self.workers[name] for name in self.generation.members]
+        if any(w.position_generation != self.generation.number for w in members):
+            return None  # still forming: bounded by the start and recovery timeouts
         step, at = self.last_commit
-        if time.monotonic() - at <= self.ft.progress_deadline_s:
+        since = max(at, *(w.active_since for w in members))
+        if time.monotonic() - since <= self.ft.progress_deadline_s:
             return None
         missing = sorted(
             self.generation.members[name]
@@ -403,19 +396,9 @@ class Coordinator:
         failures: dict[str, dict] = {}
         for name, code in codes.items():
             if self.workers[name].lost_with_host:
-                failures[name] = {
-                    "kind": "host_lost",
-                    "detail": self.workers[name].lost_with_host,
-                    "detected_by": "host_timeout",
-                    "lost": True,
-                }
+                failures[name] = _failure("host_lost", self.workers[name].lost_with_host, "host_timeout")
             elif code not in (None, 0):
-                failures[name] = {
-                    "kind": "exit",
-                    "detail": describe_exit(code),
-                    "detected_by": "process_exit",
-                    "lost": True,
-                }
+                failures[name] = _failure("exit", describe_exit(code), "process_exit")
         if not self.ft.enabled:
             return failures
         alive = [n for n in self.generation.members if codes.get(n) is None and n not in failures]
@@ -424,33 +407,26 @@ class Coordinator:
             if not worker.pid:
                 # Not forked yet (its agent's fork server may still be importing): bounded by the start timeout.
                 if now - worker.started_at > self.spec.store_timeout_s:
-                    failures[name] = {
-                        "kind": "start",
-                        "detail": f"not started within {self.spec.store_timeout_s:.0f} s (cluster.start_timeout_s)",
-                        "detected_by": "start_timeout",
-                        "lost": True,
-                    }
+                    failures[name] = _failure(
+                        "start",
+                        f"not started within {self.spec.store_timeout_s:.0f} s (cluster.start_timeout_s)",
+                        "start_timeout",
+                    )
                 continue
             silent_s = now - max(worker.last_heard, worker.started_at)
             if silent_s > self.ft.heartbeat_timeout_s:
                 self._fence(name)
-                failures[name] = {
-                    "kind": "hang",
-                    "detail": f"no heartbeat for {silent_s:.1f} s",
-                    "detected_by": "heartbeat",
-                    "lost": True,
-                }
+                failures[name] = _failure("hang", f"no heartbeat for {silent_s:.1f} s", "heartbeat")
         if failures:
             return failures
         for name in self._stalled(now):
             self._fence(name)
             position = self.workers[name].position
-            failures[name] = {
-                "kind": "stuck",
-                "detail": f"alive but did not arrive at the collective of step {position.step + 1 if position else '?'}",
-                "detected_by": "progress",
-                "lost": True,
-            }
+            failures[name] = _failure(
+                "stuck",
+                f"alive but did not arrive at the collective of step {position.step + 1 if position else '?'}",
+                "progress",
+            )
         if failures:
             return failures
         for name in alive:
@@ -460,12 +436,7 @@ class Coordinator:
                 and report[0].generation == self.generation.number
                 and now - report[1] >= self.ft.settle_s
             ):
-                failures[name] = {
-                    "kind": report[0].kind,
-                    "detail": report[0].error,
-                    "detected_by": "worker_report",
-                    "lost": False,
-                }
+                failures[name] = _failure(report[0].kind, report[0].error, "worker_report", lost=False)
         return failures
 
     def _stalled(self, now: float) -> list[str]:
@@ -688,9 +659,7 @@ class Coordinator:
 
     def wait_for_change(self, timeout_s: float) -> None:
         """Sleep up to `timeout_s`, waking at once when an agent reports anything (a worker's exit among it)."""
-        readable, _, _ = select.select([self._wake_r], [], [], max(0.0, timeout_s))
-        if readable:
-            os.read(self._wake_r, 65536)
+        self.control.wait(timeout_s)
 
     def wait(self, *, poll_interval_s: float = 0.05) -> JobOutcome:
         while (outcome := self.poll()) is None:
@@ -709,7 +678,7 @@ class Coordinator:
     def close(self) -> None:
         if self.spec is not None:
             self.stop()
-        self.listener.close()
+        self.control.close()
         if self.events is not None:
             self.events.close()
         self.store = None
@@ -720,53 +689,12 @@ class Coordinator:
         try:
             self.hosts[host].channel.send(message)
         except ChannelClosed:
-            self._put(host, None)
+            self.control.put(host, None)
 
-    # --- threads ---------------------------------------------------------------------------------------------------
 
-    def _put(self, host, message) -> None:
-        self.inbox.put((host, message, time.monotonic()))
-        os.write(self._wake_w, b"x")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, address = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._greet, args=(sock, address), daemon=True).start()
-
-    def _greet(self, sock: socket.socket, address) -> None:
-        peer = f"{address[0]}:{address[1]}"
-        try:
-            channel = accept_channel(sock, secret=self.secret, peer=peer)
-            hello = channel.recv()
-            if not isinstance(hello, Hello) or hello.role != "agent":
-                raise ProtocolError(f"{peer}: the first message must be an agent's Hello")
-        except (ProtocolError, ChannelClosed) as error:
-            sock.close()
-            self._refused(peer, str(error))
-            return
-        self._put(channel, hello)
-
-    def _refused(self, peer: str, reason: str) -> None:
-        if self.events is not None:
-            self.events.emit("control_refused", peer=peer, reason=reason)
-        else:
-            self.refusals.append((peer, reason))
-
-    def _read_host(self, host: str, channel) -> None:
-        while True:
-            try:
-                message = channel.recv()
-            except ChannelClosed:
-                break
-            except ProtocolError as error:
-                self._refused(f"agent {host}", str(error))
-                channel.close()
-                break
-            self._put(host, message)
-        self._put(host, None)
+def _failure(kind: str, detail: str, detected_by: str, *, lost: bool = True) -> dict:
+    """A failure as `failure_detected` records it; `lost`: the worker is gone (else it reported and can rejoin)."""
+    return {"kind": kind, "detail": detail, "detected_by": detected_by, "lost": lost}
 
 
 def _bound_store(address: str, *, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:

@@ -33,6 +33,8 @@ from ckptless_core.protocol import FailureReport, Generation, Progress, Ready, S
 from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, synchronize_state
 
 T = TypeVar("T")
+WAIT_SLICE = timedelta(milliseconds=20)
+"""How often a rank waiting in a collective looks up from it: the longest a new generation goes unnoticed there."""
 _PARKED: list = []
 """(process group, its abandoned work) of generations left before that work ended. Module-level, so a group is
 never destroyed while its threads still wait on a lost peer: not when its Replica goes, nor when the worker exits
@@ -217,21 +219,21 @@ class Replica:
         if self.world_size == 1:
             self._mark("collective_done")
             return
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        self._wait(work, what="all-reduce")
+        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), what="all-reduce")
         self._mark("collective_done")
 
     def _wait(self, work, *, what: str) -> None:
+        """Wait for `work` in slices of WAIT_SLICE_S (a slice that times out leaves the work intact, and a wait
+        returns the moment the work completes), renewing the marker and checking the generation between slices."""
         started = last_mark = time.monotonic()
-        pause = 20e-6
         while True:
             try:
-                if work.is_completed():
-                    work.wait()  # raises the collective's error, if it failed
-                    return
+                work.wait(timeout=WAIT_SLICE)
+                return
             except RuntimeError as error:
-                message = f"{what} failed in generation {self.generation.number}: {error}"
-                break
+                if work.is_completed():  # it failed (a peer's connection closed, ...): not the slice running out
+                    message = f"{what} failed in generation {self.generation.number}: {error}"
+                    break
             now = time.monotonic()
             if self._superseded():
                 self._pending.append(work)  # kept until the abandoned group is released (see _leave_process_group)
@@ -245,8 +247,9 @@ class Replica:
             if now - last_mark > self.marker_interval_s:
                 self._mark("collective_waiting")
                 last_mark = now
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+        # No reference to the work may outlive this frame (the raised error keeps the frame alive): it would keep the
+        # old group, and its connections to peers still blocked on this rank, open.
+        del work
         raise PeerFailure(message)
 
     def _superseded(self) -> bool:

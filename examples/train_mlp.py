@@ -27,7 +27,7 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.L
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 grads = FlatGradients(model.parameters())  # every .grad a view into one buffer: one all-reduce per step
 
-replica = Replica.from_environ()  # ckptless: store, heartbeat, membership
+replica = Replica.from_environ()  # ckptless: link to the node agent, heartbeat, membership
 materialize_optimizer_state(optimizer)  # ckptless: so a spare holds the same state layout
 replica.attach(state_tensors(model, optimizer))  # ckptless: what moves to a replacement
 replica.start()  # ckptless: a spare waits here until promoted

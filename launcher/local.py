@@ -29,7 +29,7 @@ SECRET_FILE = "control.secret"
 """In the run directory, mode 0600: the job's secret, for agents started on other hosts (`cluster=hosts`)."""
 
 
-def warm_up_workers(job: JobConfig) -> LocalCluster | None:
+def warm_up_workers(job: JobConfig) -> Coordinator | None:
     """Start the coordinator and the node agent now: the agent's fork server imports (torch, transformers, the
     model's code) overlap the launcher's own checks, and every worker forked from it later starts without paying for
     them. (torchrun, for the checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of
@@ -45,10 +45,10 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, 
     """Run the job on this machine: under the ckptless coordinator, or under torchrun for `ft=checkpoint_restart`."""
     threads = threads_per_worker(job)
     if job.ft.mode == "checkpoint_restart":
-        supervisor = TorchrunJob(job, run_dir=run_dir, threads_per_worker=threads)
-        start = supervisor.start
+        runner = TorchrunJob(job, run_dir=run_dir, threads_per_worker=threads)
+        start = runner.start
     else:
-        supervisor = cluster or hosts_coordinator(job, run_dir=run_dir)
+        runner = cluster or hosts_coordinator(job, run_dir=run_dir)
         spec = JobSpec(
             entry=ENTRY,
             nproc=job.cluster.nproc,
@@ -64,7 +64,7 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, 
         )
 
         def start() -> None:
-            supervisor.start(spec)
+            runner.start(spec)
 
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
@@ -73,15 +73,15 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, 
     interrupted = False
     try:
         start()
-        outcome = _watch(supervisor, progress)
+        outcome = _watch(runner, progress)
     except KeyboardInterrupt:
         interrupted = True
-        outcome = _stop_cleanly(supervisor, progress, grace_s=job.cluster.collective_timeout_s)
+        outcome = _stop_cleanly(runner, progress, grace_s=job.cluster.collective_timeout_s)
     finally:
-        supervisor.close()
+        runner.close()
         progress.close()
         signal.signal(signal.SIGTERM, previous_sigterm)
-    outcome.exit_codes.update(supervisor.exit_codes())
+    outcome.exit_codes.update(runner.exit_codes())
     summary = build_summary(
         run_dir,
         outcome=outcome,
@@ -155,21 +155,21 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
 
 
 def _watch(
-    supervisor: LocalCluster | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
+    runner: Coordinator | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
 ) -> JobOutcome | None:
-    while (outcome := supervisor.poll()) is None and time.monotonic() < deadline:
+    while (outcome := runner.poll()) is None and time.monotonic() < deadline:
         progress.update()
-        supervisor.wait_for_change(0.05)
+        runner.wait_for_change(0.05)
     return outcome
 
 
-def _stop_cleanly(supervisor: LocalCluster | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+def _stop_cleanly(runner: Coordinator | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
     """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
     checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
     print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)
-    supervisor.request_stop()
+    runner.request_stop()
     try:
-        outcome = _watch(supervisor, progress, deadline=time.monotonic() + grace_s)
+        outcome = _watch(runner, progress, deadline=time.monotonic() + grace_s)
     except KeyboardInterrupt:
         outcome = None
     message = "stopped on request (Ctrl-C or SIGTERM)"

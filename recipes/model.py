@@ -46,6 +46,13 @@ def build_hf_config(config: ModelConfig):
                 f"model.hf_config is rejected by {type(defaults).__name__}: {_reason(error)}; "
                 "change the model.hf_config fields it names"
             ) from error
+    heads, kv_heads = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:
+        # The config classes accept it; the attention's first forward would fail in every worker.
+        raise ValueError(
+            f"model.hf_config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} "
+            "(grouped-query attention shares each key/value head among a whole number of query heads)"
+        )
     hf_config._attn_implementation = config.attn_implementation
     return hf_config
 

@@ -56,6 +56,8 @@ def fault_free(run):
 def nothing_left_behind():
     yield
     assert netns.leftovers() == [], "emulated hosts left behind"
+    agents = subprocess.run(["pgrep", "-f", "ckptless_core.agent"], capture_output=True, text=True).stdout.split()
+    assert agents == [], "node agents left behind"
 
 
 def assert_recovered(proc, run_dir, *, expected_hash: str, failures: int) -> dict:
@@ -124,6 +126,29 @@ def test_a_rank_stuck_while_alive_is_blamed_fenced_and_replaced(run, fault_free,
     # The rank that waited for it, and reported nothing worse than a timeout, was never blamed and never left.
     assert {f["worker"] for f in summary["failures"]} == {failure["worker"]}
     assert summary["exit_codes"]["worker0"] == 0
+
+
+@needs_netns
+def test_chaos_on_emulated_hosts(run, fault_free):
+    proc, run_dir = run("chaos", *NETNS, "fault=chaos", "fault.mtbf_s=1", "fault.max_faults=2", "fault.seed=1")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=2)
+    assert {f["detected_by"] for f in summary["failures"]} == {"process_exit"}
+
+
+def test_a_hang_no_rule_can_blame_ends_at_the_progress_deadline_naming_the_rank(run):
+    """A rank stuck in its compute while the stall rule is switched off (a huge ft.stall_timeout_s): the job-level
+    deadline ends it, exit 4, naming the rank that did not arrive."""
+    proc, run_dir = run(
+        "deadline",
+        "ft.stall_timeout_s=100000",
+        "ft.progress_deadline_s=3",
+        "fault=stuck",
+        "fault.rank=1",
+        f"fault.step={FAULT_STEP}",
+    )
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank(s) [1] did not arrive" in proc.stdout
+    assert read_summary(run_dir)["status"] == "failed"
 
 
 def test_kill_host_needs_emulated_hosts(launch, tmp_path):

@@ -205,6 +205,7 @@ def test_faults_whose_target_is_chosen_at_run_time_ignore_fault_rank(kind):
     [
         ("model.hf_config.hidden_size=130", "hidden size (130) is not a multiple of the number of attention heads (4)"),
         ("model.hf_config.num_attention_heads=0", "ZeroDivisionError"),
+        ("model.hf_config.num_key_value_heads=3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
         ("+model.hf_config.hidden_act=nope", "KeyError: 'nope'"),
     ],
 )
