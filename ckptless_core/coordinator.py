@@ -313,6 +313,13 @@ class Coordinator:
         if (outcome := self._past_progress_deadline()) is not None:
             return outcome
         failures = self._detect_failures(codes)
+        if failures and 0 in codes.values():
+            # A member completed every step, so every collective of the run completed: what failed since is the
+            # end of a worker, not of the training.
+            self.events.emit("job_completed", generation=self.generation.number)
+            self.stop()
+            message = f"all steps completed; then {', '.join(sorted(failures))} failed"
+            return JobOutcome(ok=True, exit_codes=self.exit_codes(), message=message)
         if failures:
             if not self.ft.enabled:
                 self._settle()  # let failures that happen together all surface before reporting

@@ -28,6 +28,10 @@ class WorkerEnv:
     """Started as a hot spare: it holds a model skeleton, not the training state, until it receives one."""
     supervised: bool = False
     """Started by a ckptless node agent (membership from the coordinator); else by torchrun or by hand."""
+    agent_store: bool = True
+    """The coordination store is held by an agent and outlives this worker (a ckptless node agent's coordinator,
+    or torchrun's agent); else rank 0 serves a store of its own, as `init_process_group("env://")` does (torchrun
+    with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, or workers started by hand)."""
 
     @classmethod
     def from_environ(cls) -> WorkerEnv:
@@ -37,6 +41,7 @@ class WorkerEnv:
                 f"worker environment lacks {missing}: start workers with `python -m launcher` or torchrun"
             )
         rank = int(os.environ["RANK"])
+        supervised = os.environ.get("CKPTLESS_SUPERVISED") == "1"
         return cls(
             rank=rank,
             world_size=int(os.environ["WORLD_SIZE"]),
@@ -45,7 +50,8 @@ class WorkerEnv:
             master_port=int(os.environ["MASTER_PORT"]),
             worker=os.environ.get("CKPTLESS_WORKER", f"worker{rank}"),
             spare=os.environ.get("CKPTLESS_SPARE") == "1",
-            supervised=os.environ.get("CKPTLESS_SUPERVISED") == "1",
+            supervised=supervised,
+            agent_store=supervised or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 

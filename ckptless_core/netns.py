@@ -9,7 +9,9 @@ them only over the network, as real hosts do. Needs root.
 Addresses exist only on the bridge and inside the namespaces this module creates; traffic stays between them. The
 agent of a host runs as PID 1 of the host's PID namespace: when it is SIGKILLed, the kernel kills every process of
 the host at the same instant (`kill_host` takes the link down first, so no connection reset reaches the peers, as
-with a host that lost power). Everything is removed at the end, and a set left by a launcher that was killed is
+with a host that lost power). torchrun, for the checkpoint-restart baseline, runs in the host's network only, so the
+launcher reads and signals its workers' pids; powering such a host off kills every process of its network namespace.
+Everything is removed at the end, and a set left by a launcher that was killed is
 removed at the next start (names carry the owning launcher's pid).
 """
 
@@ -20,7 +22,6 @@ import re
 import signal
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 PREFIX = "ckl"
 _NAME = re.compile(rf"^{PREFIX}(\d+)(br|h\d+)$")
@@ -93,23 +94,38 @@ class EmulatedHosts:
         _ip("link", "set", host.veth, "up")
         return host
 
-    def start(self, host: EmulatedHost, command: list[str], *, env: dict[str, str]) -> None:
-        """Run `command` (the host's agent) as PID 1 of a fresh PID and UTS namespace inside the host's network."""
+    def start(
+        self, host: EmulatedHost, command: list[str], *, env: dict[str, str], pid_namespace: bool = True, output=None
+    ) -> None:
+        """Run `command` inside the host's network: as PID 1 of a fresh PID and UTS namespace (a node agent), or,
+        with `pid_namespace=False`, as an ordinary process whose pids the launcher can read and signal (torchrun,
+        for the checkpoint-restart baseline). `output`: a file for its stdout and stderr (else this process's)."""
+        isolate = ["unshare", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc", "sh", "-c"]
+        isolate += ['hostname "$0" && exec "$@"', host.name]
         host.process = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc"]
-            + ["sh", "-c", 'hostname "$0" && exec "$@"', host.name, *command],
+            ["ip", "netns", "exec", host.netns, *(isolate if pid_namespace else []), *command],
             env=env,
+            stdout=output,
+            stderr=None if output is None else subprocess.STDOUT,
             start_new_session=True,
         )
 
     def kill(self, host: EmulatedHost) -> None:
-        """Power the host off: its link goes down, then every process on it is SIGKILLed at once."""
+        """Power the host off: its link goes down, then every process in its network namespace is SIGKILLed."""
         _ip("link", "set", host.veth, "down")
         if host.process is not None:
-            for pid in _children(host.process.pid):
-                _kill(pid)  # the agent, PID 1 of the host's namespace: the kernel kills the rest with it
-            _kill(host.process.pid)
+            # The link is down already, so the order does not matter: no peer hears of any process ending.
+            for pid in [host.process.pid, *_netns_pids(host.netns)]:
+                _kill(pid)
             host.process.wait(timeout=10)
+
+    def host_of(self, pid: int) -> EmulatedHost | None:
+        """The host whose network namespace process `pid` (of this machine's PID namespace) runs in, if any."""
+        try:
+            network = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            return None
+        return next((h for h in self.hosts if _netns_inode(h.netns) == network), None)
 
     def remove(self) -> None:
         """Kill every process of every host and delete the namespaces, links and bridge (idempotent)."""
@@ -135,9 +151,8 @@ def leftovers() -> list[str]:
 def _remove_set(owner: int) -> None:
     for name in _netns_names():
         if (m := _NAME.match(name)) and int(m.group(1)) == owner:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                _kill(int(pid))
+            for pid in _netns_pids(name):
+                _kill(pid)
             _ip("netns", "delete", name, check=False)
     for name in _link_names():
         if (m := _NAME.match(name)) and int(m.group(1)) == owner:
@@ -168,11 +183,16 @@ def _free_subnet() -> str:
     raise NetnsUnavailable("no free 10.213.K.0/24 subnet for emulated hosts")
 
 
-def _children(pid: int) -> list[int]:
+def _netns_pids(netns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def _netns_inode(netns: str) -> int | None:
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return os.stat(f"/run/netns/{netns}").st_ino
     except OSError:
-        return []
+        return None
 
 
 def _ip(*args: str, check: bool = True) -> None:

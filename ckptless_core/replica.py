@@ -86,7 +86,7 @@ class Replica:
         self.store = dist.TCPStore(
             env.master_addr,
             env.master_port,
-            is_master=False,
+            is_master=env.rank == 0 and not env.agent_store,
             timeout=timedelta(seconds=max(collective_timeout_s, recovery_timeout_s)),
             wait_for_workers=False,
         )
@@ -230,8 +230,13 @@ class Replica:
             try:
                 work.wait(timeout=WAIT_SLICE)
                 return
-            except RuntimeError as error:
-                if work.is_completed():  # it failed (a peer's connection closed, ...): not the slice running out
+            except RuntimeError:
+                pass  # the slice ran out, or the work failed (a peer's connection closed, ...): told apart here
+            if work.is_completed():  # it may have completed just after its slice ran out
+                try:
+                    work.wait()  # returns at once, or raises the collective's error
+                    return
+                except RuntimeError as error:
                     message = f"{what} failed in generation {self.generation.number}: {error}"
                     break
             now = time.monotonic()
@@ -298,9 +303,13 @@ class Replica:
             self.valid = False
             raise
 
-    def close(self) -> None:
-        """Leave cleanly once training is done: a bounded barrier, then the process group and the heartbeat."""
-        if dist.is_initialized():
+    def close(self, *, failed: bool = False) -> None:
+        """Leave once training is done: a bounded barrier, then the process group and the heartbeat. After a
+        failure, leave at once: peers blocked in a collective with this rank are released (a barrier would only
+        wait for them until the collective timeout)."""
+        if failed:
+            self._leave_process_group()
+        elif dist.is_initialized():
             with contextlib.suppress(RuntimeError):
                 dist.barrier(async_op=True).wait(timeout=timedelta(seconds=self.collective_timeout_s))
             dist.destroy_process_group()
@@ -418,8 +427,10 @@ class Replica:
 
     def _standalone_generation(self) -> Generation:
         """Started by torchrun or by hand, without a ckptless coordinator: membership comes from RANK and
-        WORLD_SIZE, and each torchrun restart attempt gets a store namespace of its own."""
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        WORLD_SIZE. Where torchrun's agent holds the store across restarts, each restart attempt gets a namespace of
+        its own (one host: every worker has the same restart count); where rank 0 serves it, each attempt has a
+        fresh store (many hosts: a host that replaced a lost one counts its restarts from 0)."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if self.env.agent_store else 0
         members = {f"worker{rank}": rank for rank in range(self.env.world_size)}
         return Generation(number=1 + attempt, members=members, reason="start", store_prefix=f"gen{1 + attempt}")
 

@@ -220,12 +220,18 @@ def _validate_checkpoint_restart(job: JobConfig) -> None:
         )
     if job.ft.checkpoint_every == 0:
         raise ConfigError("ft=checkpoint_restart recovers from disk checkpoints: set ft.checkpoint_every to auto or N")
-    if job.cluster.kind != "local":
+    if job.cluster.kind == "hosts":
         raise ConfigError(
-            f"ft=checkpoint_restart runs under torchrun on cluster=local; cluster={job.cluster.kind} runs ft=ckptless "
-            "or ft=none"
+            "ft=checkpoint_restart runs torchrun on cluster=local or cluster=netns; on cluster=hosts start torchrun "
+            "on each host yourself, or use ft=ckptless"
         )
-    allowed = ("kill_worker", "exception", "segfault", "hang", "chaos")
+    if job.cluster.spare_hosts:
+        raise ConfigError(
+            f"cluster.spare_hosts={job.cluster.spare_hosts}: under ft=checkpoint_restart a lost host is replaced by a "
+            "fresh one when it is lost (torchrun's spare nodes, its rendezvous redundancy list, restart the group over "
+            "and over while they settle); set cluster.spare_hosts=0"
+        )
+    allowed = ("kill_worker", "exception", "segfault", "hang", "chaos", "kill_host")
     for event in job.fault.events():
         if event.kind not in allowed:
             raise ConfigError(

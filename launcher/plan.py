@@ -97,8 +97,16 @@ def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "
     quoted_dir = shlex.quote(str(run_dir))
     config = shlex.quote(str(run_dir / "config.yaml"))
     if job.ft.mode == "checkpoint_restart":  # torchrun starts the workers (and restarts them all on a failure)
-        command = shlex.join(["python", *torchrun_command(job, run_dir=run_dir)[1:]])
-        return [f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} {command}"]
+        env = f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)}"
+        if job.cluster.kind == "local":
+            return [f"{env} {shlex.join(['python', *torchrun_command(job, run_dir=run_dir)[1:]])}"]
+        commands = [
+            torchrun_command(job, run_dir=run_dir, host=(f"host{i}", f"$HOST{i}_ADDR"), rendezvous="$RDZV_ENDPOINT")
+            for i in range(job.cluster.num_hosts)
+        ]
+        # On each host, its address exported; a host that replaces a lost one runs the lost one's command.
+        quoted = [" ".join(a if "$" in a else shlex.quote(a) for a in ["python", *c[1:]]) for c in commands]
+        return [f"{env} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {command}" for command in quoted]
     return [
         f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
         f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.pretrain {config}"

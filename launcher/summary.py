@@ -169,18 +169,28 @@ def restarts(events: list[dict]) -> list[dict]:
     return result
 
 
+class AttemptNumbers:
+    """Numbers torchrun's attempts across the whole job: every attempt starts every rank once, so a worker's attempt
+    is how often it started before. (torchrun's own restart count is per node: a node that replaced a lost one
+    counts from 0 while the survivors count on.)"""
+
+    def __init__(self) -> None:
+        self.current: dict[str, int] = {}
+
+    def tag(self, event: dict) -> dict:
+        """`event` with the attempt of its worker; the launcher's events carry theirs already."""
+        name = event["worker"]
+        if event["event"] == "worker_start":
+            self.current[name] = self.current.get(name, -1) + 1
+        if name not in self.current:
+            return event
+        return {**event, "attempt": self.current[name]}
+
+
 def with_attempts(events: list[dict]) -> list[dict]:
-    """Events (in time order) with each worker's events tagged by its torchrun attempt (the `attempt` of its
-    latest `worker_start`); the launcher's events carry theirs already."""
-    current: dict[str, int] = {}
-    tagged = []
-    for e in events:
-        if e["event"] == "worker_start":
-            current[e["worker"]] = e.get("attempt", 0)
-        if "attempt" not in e and e["worker"] in current:
-            e = {**e, "attempt": current[e["worker"]]}
-        tagged.append(e)
-    return tagged
+    """Events (in time order), each worker's tagged with its torchrun attempt (see `AttemptNumbers`)."""
+    numbers = AttemptNumbers()
+    return [numbers.tag(e) for e in events]
 
 
 def _restart_causes(events: list[dict]) -> list[dict]:

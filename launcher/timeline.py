@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.summary import AttemptNumbers
+
 STARTING = "starting"
 TRAINING = "training"
 CHECKPOINTING = "checkpointing"
@@ -169,11 +171,13 @@ class _TorchrunRows:
         """The highest step committed in each attempt."""
         self.failed: set[int] = set()
         """Attempts a failure already ended."""
+        self.attempts = AttemptNumbers()
 
     def row(self, name: str) -> _Row:
         return self.rows.setdefault(name, _Row())
 
     def __call__(self, event: dict[str, Any], at_s: float) -> None:
+        event = self.attempts.tag(event)
         kind = event["event"]
         if event["worker"] == "launcher":
             if kind not in ("fault_injected", "worker_exited"):

@@ -4,35 +4,77 @@ torchrun (`torch.distributed.run --max-restarts`) starts the workers; on any fai
 whole group again, and every worker reloads the latest disk checkpoint and redoes the steps since. The launcher only
 watches: it follows the workers' event files (pids, attempts, committed steps) to show progress and to inject the
 configured faults, exactly as the ckptless coordinator does, so both modes face the same failures.
+
+On emulated hosts (`cluster=netns`) it is torchrun as it runs on a real cluster: one torchrun per host, meeting in
+a c10d rendezvous whose store the launcher holds on the hosts' bridge. A lost host is replaced by a fresh one, as a
+scheduler replaces a failed node. The survivors learn of the loss when the replacement's torchrun waits in the
+rendezvous once the lost one's keep-alive expired (KEEP_ALIVE_S), or when their collective times out
+(`cluster.collective_timeout_s`), whichever comes first; then every host restarts its workers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultInjector, signal_name
 from ckptless_core.job import JobOutcome, describe_exit
+from ckptless_core.netns import EmulatedHost, EmulatedHosts
+from launcher.summary import AttemptNumbers
 from recipes.schema import JobConfig
 
+RENDEZVOUS_ID = "ckptless"
+KEEP_ALIVE_S = 5
+"""A torchrun silent this long leaves the rendezvous (torchrun's default: 15 s). Shorter ones drop live hosts of a
+busy machine at start. It adds nothing to a recovery: the survivors' collectives time out first."""
 
-def torchrun_command(job: JobConfig, *, run_dir: Path) -> list[str]:
-    """The torchrun command line: a single-node rendezvous on a free port, restarts, per-attempt worker logs."""
+
+def torchrun_command(
+    job: JobConfig, *, run_dir: Path, host: tuple[str, str] | None = None, rendezvous: str = ""
+) -> list[str]:
+    """The torchrun command line. On one host: a single-node rendezvous on a free port. On `host` (name, address)
+    of many: the c10d rendezvous at `rendezvous` (`address:port` of the store the launcher holds), the host's own
+    address for its workers' store, a host declared dead after KEEP_ALIVE_S without its keep-alive. Restarts,
+    per-attempt worker logs."""
+    if host is None:
+        placement = ["--standalone", f"--nproc-per-node={job.cluster.nproc}"]
+        logs = run_dir / "logs" / "torchrun"
+    else:
+        keep_alive = [
+            "keep_alive_interval=1",
+            f"keep_alive_max_attempt={KEEP_ALIVE_S}",
+            f"join_timeout={math.ceil(job.cluster.start_timeout_s)}",
+            "is_host=false",
+        ]
+        placement = [
+            f"--nnodes={job.cluster.num_hosts}",
+            f"--nproc-per-node={job.cluster.nproc_per_host}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous}",
+            f"--rdzv-id={RENDEZVOUS_ID}",
+            f"--rdzv-conf={','.join(keep_alive)}",
+            f"--local-addr={host[1]}",
+        ]
+        logs = run_dir / "logs" / "torchrun" / host[0]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={job.cluster.nproc}",
+        *placement,
         f"--max-restarts={job.ft.max_restarts}",
         "--monitor-interval=0.1",
-        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
+        f"--log-dir={logs}",
         "--redirects=3",
         "-m",
         "recipes.pretrain",
@@ -49,6 +91,7 @@ class WorkerWatch:
         self.offsets: dict[Path, int] = {}
         self.workers: dict[str, dict] = {}
         self.attempt = 0
+        self.attempts = AttemptNumbers()
 
     def update(self) -> None:
         for path in sorted(self.events_dir.glob("worker*.jsonl")):
@@ -58,7 +101,7 @@ class WorkerWatch:
             complete = data[: data.rfind(b"\n") + 1]
             self.offsets[path] = self.offsets.get(path, 0) + len(complete)
             for line in complete.decode().splitlines():
-                self._see(json.loads(line))
+                self._see(self.attempts.tag(json.loads(line)))
 
     def _see(self, event: dict) -> None:
         name = event["worker"]
@@ -94,7 +137,8 @@ class WorkerWatch:
 
 
 class TorchrunJob:
-    """Runs the job under torchrun; the same `start` / `poll` / `request_stop` / `close` as the ckptless coordinator."""
+    """Runs the job under torchrun; the same `start` / `poll` / `request_stop` / `close` as the ckptless coordinator.
+    On `cluster=local` one torchrun; on `cluster=netns` one per emulated host."""
 
     def __init__(self, job: JobConfig, *, run_dir: Path, threads_per_worker: int) -> None:
         self.job = job
@@ -102,28 +146,68 @@ class TorchrunJob:
         self.threads_per_worker = threads_per_worker
         self.events = EventLog(run_dir / "events" / "launcher.jsonl", worker="launcher")
         self.watch = WorkerWatch(run_dir / "events")
-        self.injector = FaultInjector(job.fault.events())
-        self.process: subprocess.Popen | None = None
+        per_host = job.cluster.nproc_per_host or job.cluster.nproc
+        self.injector = FaultInjector(
+            [replace(e, rank=e.host * per_host) if e.kind == "kill_host" else e for e in job.fault.events()]
+        )
+        self.torchruns: dict[str, subprocess.Popen] = {}
+        """The torchrun of each host (`local` on one host) that was not powered off."""
+        self.emulated: EmulatedHosts | None = None
+        self.rendezvous: dist.TCPStore | None = None
         self.stop_requested = False
-
-    def start(self) -> None:
-        command = torchrun_command(self.job, run_dir=self.run_dir)
-        env = {
+        self.env = {
             **os.environ,
-            "CKPTLESS_RUN_DIR": str(self.run_dir),
-            "OMP_NUM_THREADS": str(self.threads_per_worker),
+            "CKPTLESS_RUN_DIR": str(run_dir),
+            "OMP_NUM_THREADS": str(threads_per_worker),
             "PYTHONUNBUFFERED": "1",
         }
-        log = (self.run_dir / "logs" / "torchrun.log").open("ab")
-        # A session of its own: a Ctrl-C in the terminal reaches the launcher, which decides what torchrun gets.
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        self.events.emit("torchrun_started", pid=self.process.pid, command=command)
+
+    def start(self) -> None:
+        if self.job.cluster.kind != "netns":
+            command = torchrun_command(self.job, run_dir=self.run_dir)
+            with (self.run_dir / "logs" / "torchrun.log").open("ab") as log:
+                # A session of its own: a Ctrl-C in the terminal reaches the launcher, which decides what it gets.
+                process = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                )
+            self._started("local", process, command)
+            return
+        self.emulated = EmulatedHosts(self.job.cluster.num_hosts)
+        self.rendezvous = dist.TCPStore(
+            self.emulated.gateway,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.job.cluster.start_timeout_s),
+        )
+        self.events.emit("rendezvous_started", address=self.emulated.gateway, port=self.rendezvous.port)
+        for host in self.emulated.hosts:
+            self._start_host(host)
+
+    def _start_host(self, host: EmulatedHost) -> None:
+        rendezvous = f"{self.emulated.gateway}:{self.rendezvous.port}"
+        command = torchrun_command(
+            self.job, run_dir=self.run_dir, host=(host.name, host.address), rendezvous=rendezvous
+        )
+        with (self.run_dir / "logs" / f"torchrun-{host.name}.log").open("ab") as log:
+            env = self.env | {
+                "GLOO_SOCKET_IFNAME": "eth0",
+                "NCCL_SOCKET_IFNAME": "eth0",
+                # torch's opt-out of sharing the rendezvous store with the workers: with it shared, a host keeps the
+                # workers' store address of its first round, so a host that joins a later round (a replacement)
+                # waits forever for one that is never published.
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            }
+            self.emulated.start(host, command, env=env, pid_namespace=False, output=log)
+        self._started(host.name, host.process, command)
+
+    def _started(self, name: str, process: subprocess.Popen, command: list[str]) -> None:
+        self.torchruns[name] = process
+        self.events.emit("torchrun_started", host=name, pid=process.pid, command=command)
 
     def poll(self) -> JobOutcome | None:
-        """None while torchrun runs; its outcome once it exited."""
+        """None while torchrun runs; the outcome once every torchrun exited, or any one of them gave up."""
         self.watch.update()
-        code = self.process.poll()
         for name, worker in self.watch.newly_exited():
             self.events.emit(
                 "worker_exited",
@@ -132,17 +216,24 @@ class TorchrunJob:
                 attempt=worker["attempt"],
                 target_rank=worker["rank"],
             )
-        if code is None:
+        codes = {name: process.poll() for name, process in self.torchruns.items()}
+        failed = {name: code for name, code in codes.items() if code not in (None, 0)}
+        # One torchrun done is the whole job done: each waits at its exit barrier until every host's workers
+        # completed. Spare hosts' torchruns, still waiting in the rendezvous, are stopped by `close`.
+        if not failed and 0 not in codes.values():
             if not self.stop_requested:
                 self._inject_faults()
             return None
-        self.events.emit("torchrun_exited", exit_code=code)
-        self._kill_leftover_workers()
-        if code == 0:
+        for name, code in codes.items():
+            if code is not None:
+                self.events.emit("torchrun_exited", host=name, exit_code=code)
+        if not failed:
             return JobOutcome(ok=True, exit_codes=self.exit_codes(), message="all workers completed")
+        name, code = next(iter(failed.items()))
         message = (
-            f"torchrun gave up ({describe_exit(code)}) after {self.watch.attempt} restart(s) of "
-            f"{self.job.ft.max_restarts} allowed (ft.max_restarts); worker logs in {self.run_dir}/logs/torchrun/"
+            f"torchrun{'' if name == 'local' else ' on ' + name} gave up ({describe_exit(code)}) after "
+            f"{self.watch.attempt} restart(s) of {self.job.ft.max_restarts} allowed (ft.max_restarts); worker logs "
+            f"in {self.run_dir}/logs/torchrun/"
         )
         return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="failed")
 
@@ -151,27 +242,37 @@ class TorchrunJob:
         time.sleep(timeout_s)
 
     def exit_codes(self) -> dict[str, int | None]:
-        return {"torchrun": None if self.process is None else self.process.returncode}
+        if self.emulated is None:
+            return {"torchrun": self.torchruns["local"].returncode if self.torchruns else None}
+        return {f"torchrun@{name}": process.returncode for name, process in self.torchruns.items()}
 
     def request_stop(self) -> None:
         """Preemption: torchrun passes SIGTERM on to the workers, which stop where they are (this baseline has no
         step-boundary stop); the next start resumes from the latest checkpoint (`resume=`)."""
         self.stop_requested = True
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.events.emit("stop_requested")
+        for process in self.torchruns.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        self.events.emit("stop_requested")
 
     def close(self, *, timeout_s: float = 10.0) -> None:
-        """Stop torchrun (SIGTERM, then SIGKILL after `timeout_s`) and make sure none of its workers outlive it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=timeout_s)
-        self._kill_leftover_workers()
-        self.events.close()
+        """Stop every torchrun (SIGTERM, then SIGKILL after `timeout_s`), make sure none of their workers outlive
+        them, and remove the emulated hosts."""
+        try:
+            for process in self.torchruns.values():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in self.torchruns.values():
+                try:
+                    process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=timeout_s)
+            self._kill_leftover_workers()
+        finally:
+            if self.emulated is not None:
+                self.emulated.remove()
+            self.events.close()
 
     def _inject_faults(self) -> None:
         if not self.injector.active:
@@ -188,16 +289,28 @@ class TorchrunJob:
         )
         for strike in strikes:
             worker = live[strike.worker]
-            _signal(worker["pid"], strike.signum)
+            host = self.emulated.host_of(worker["pid"]) if self.emulated is not None else None
+            if strike.event.kind == "kill_host":
+                self._power_off(host)
+            else:
+                _signal(worker["pid"], strike.signum)
             self.events.emit(
                 "fault_injected",
                 kind=strike.event.kind,
                 worker_name=strike.worker,
                 target_rank=worker["rank"],
                 signal=signal_name(strike.signum),
+                host=host.name if host is not None else "local",
                 step=worker["step"] + 1,
                 attempt=worker["attempt"],
             )
+
+    def _power_off(self, host: EmulatedHost) -> None:
+        """`fault=kill_host`: the host is gone with its torchrun and workers; a fresh host takes its place as a
+        spare, as a cluster's scheduler replaces a failed node."""
+        self.emulated.kill(host)
+        del self.torchruns[host.name]
+        self._start_host(self.emulated.add())
 
     def _kill_leftover_workers(self) -> None:
         """torchrun starts workers in sessions of their own; any it left behind are killed here. A pid is only

@@ -249,10 +249,15 @@ def main(config_path: str | None = None) -> int:
     events = EventLog(
         run_dir / "events" / f"{env.worker}.jsonl", worker=env.worker, rank=None if env.supervised else env.rank
     )
-    # Under torchrun each restart of the worker group is a new attempt, with new processes.
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    events.emit("worker_start", pid=os.getpid(), threads=torch.get_num_threads(), attempt=attempt)
+    # Under torchrun every restart of the worker group starts new processes (the launcher numbers the attempts).
+    events.emit(
+        "worker_start",
+        pid=os.getpid(),
+        threads=torch.get_num_threads(),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
     replica = None
+    failed = True
     try:
         replica = Replica(
             env,
@@ -265,6 +270,7 @@ def main(config_path: str | None = None) -> int:
             fault_tolerant=job.ft.mode == "ckptless" and env.supervised,
         )
         train(job, replica, run_dir=run_dir, events=events)
+        failed = False
     except TrainingCodeError as error:
         traceback.print_exc()
         events.emit("worker_error", error=f"{type(error).__name__}: {error}")
@@ -276,7 +282,7 @@ def main(config_path: str | None = None) -> int:
     finally:
         if replica is not None:
             with contextlib.suppress(Exception):
-                replica.close()
+                replica.close(failed=failed)
         with contextlib.suppress(Exception):
             events.close()
     print(f"{env.worker}: done", flush=True)
@@ -284,4 +290,9 @@ def main(config_path: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
+    code = main(sys.argv[1] if len(sys.argv) > 1 else None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed worker exits at once: the destructor of a process group whose threads still wait on a lost peer (a
+    # host gone without a reset) would hold the exit until that wait times out.
+    os._exit(code)

@@ -151,6 +151,45 @@ def test_a_hang_no_rule_can_blame_ends_at_the_progress_deadline_naming_the_rank(
     assert read_summary(run_dir)["status"] == "failed"
 
 
+@needs_netns
+def test_checkpoint_restart_across_hosts_replaces_a_lost_host_and_restarts_every_worker(run, fault_free):
+    """The baseline as it runs on a cluster: one torchrun per emulated host in a c10d rendezvous. The lost host is
+    replaced by a fresh one; every worker restarts, reloads the checkpoint of step 5 and redoes the steps since."""
+    proc, run_dir = run(
+        "restart-kill-host",
+        "cluster=netns",
+        "cluster.spare_hosts=0",
+        "ft=checkpoint_restart",
+        "ft.spares=0",
+        "ft.checkpoint_every=5",
+        "cluster.collective_timeout_s=10",
+        "fault=kill_host",
+        "fault.host=1",
+        f"fault.step={FAULT_STEP - 2}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == fault_free
+    (failure,) = summary["failures"]
+    assert failure["kind"] == "kill_host" and failure["detected_by"] == "torchrun"
+    (recovery,) = summary["recoveries"]
+    assert recovery["completed"] and recovery["loaded_step"] == 5 and recovery["redone_steps"] == 2  # steps 6, 7
+    events = read_events(run_dir / "events")
+    started = [e["host"] for e in events if e["event"] == "torchrun_started"]
+    assert started == ["host0", "host1", "host2"]  # host2 replaced the lost host1
+
+
+@needs_netns
+def test_the_baseline_refuses_spare_hosts_and_hosts_it_does_not_start(launch, tmp_path):
+    for overrides, expected in [
+        (["cluster=netns", "cluster.spare_hosts=1"], "cluster.spare_hosts=0"),
+        (["cluster=hosts"], "start torchrun on each host yourself"),
+    ]:
+        proc = launch("recipe=tiny_llama", "ft=checkpoint_restart", "ft.spares=0", *overrides, cwd=tmp_path)
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_kill_host_needs_emulated_hosts(launch, tmp_path):
     proc = launch("recipe=tiny_llama", "fault=kill_host", f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "cluster=netns" in proc.stderr

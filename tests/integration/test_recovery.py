@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ckptless_core.events import read_events
+from launcher.summary import with_attempts
 from tests.conftest import read_summary
 
 STEPS = 24
@@ -304,7 +305,7 @@ def test_with_on_no_spare_wait_the_job_waits_for_a_replacement(run, fault_free):
 
 
 def attempts_of(run_dir) -> set[int]:
-    return {e["attempt"] for e in read_events(run_dir / "events") if e["event"] == "worker_start"}
+    return {e["attempt"] for e in with_attempts(read_events(run_dir / "events")) if e["event"] == "worker_start"}
 
 
 def test_checkpoint_restart_baseline_restarts_every_worker_from_the_last_checkpoint(run, fault_free, tmp_path):
