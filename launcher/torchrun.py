@@ -206,7 +206,7 @@ class TorchrunJob:
         self.events.emit("torchrun_started", host=name, pid=process.pid, command=command)
 
     def poll(self) -> JobOutcome | None:
-        """None while torchrun runs; the outcome once every torchrun exited, or any one of them gave up."""
+        """None while torchrun runs; the outcome once a torchrun completed, or any one of them gave up."""
         self.watch.update()
         for name, worker in self.watch.newly_exited():
             self.events.emit(
@@ -219,7 +219,7 @@ class TorchrunJob:
         codes = {name: process.poll() for name, process in self.torchruns.items()}
         failed = {name: code for name, code in codes.items() if code not in (None, 0)}
         # One torchrun done is the whole job done: each waits at its exit barrier until every host's workers
-        # completed. Spare hosts' torchruns, still waiting in the rendezvous, are stopped by `close`.
+        # completed. Any still running (leaving its barrier) is stopped by `close`.
         if not failed and 0 not in codes.values():
             if not self.stop_requested:
                 self._inject_faults()
@@ -291,6 +291,8 @@ class TorchrunJob:
             worker = live[strike.worker]
             host = self.emulated.host_of(worker["pid"]) if self.emulated is not None else None
             if strike.event.kind == "kill_host":
+                if host is None:
+                    continue  # the worker is gone already (its host with it): nothing left to power off
                 self._power_off(host)
             else:
                 _signal(worker["pid"], strike.signum)

@@ -3,14 +3,17 @@
 `tiny_llama` on 2 training hosts of 1 worker each plus 1 spare host. A seeded schedule of host losses
 (`fault=kill_host`: the host's link goes down, every process on it is SIGKILLed at once; each lost host is replaced
 by a fresh one that joins as a spare host, as a cluster's scheduler replaces a failed node) runs under
-`ft=ckptless`, beside a fault-free run of the same layout whose `param_sha256` the faulty run must reproduce.
-Then one run per place a rank can get stuck (`fault=stuck`, `where=compute` and `where=collective`) measures what
-a stuck rank costs. Every run is `python -m launcher ...`, as a user starts it.
+`ft=ckptless`, beside a fault-free run of the same layout whose `param_sha256` the faulty run must reproduce, and
+under the baseline, `ft=checkpoint_restart`: one torchrun per host in a c10d rendezvous, the lost host replaced by a
+fresh one, every worker restarted from the latest checkpoint (interval: Young-Daly for the schedule's MTBF). Then one
+run per place a rank can get stuck (`fault=stuck`, `where=compute` and `where=collective`) measures what a stuck
+rank costs. Every run is `python -m launcher ...`, as a user starts it.
 
-    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~6 min
+    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~10 min
     python scripts/bench_hosts.py --steps 300 --losses 2 # quick check
 
-Target: time lost per host loss at most `ft.host_timeout_s` + 1 s. Writes bench_results/bench_hosts.json and .md.
+Targets: time lost per host loss at most `ft.host_timeout_s` + 1 s, and at least 20x less than the baseline's.
+Writes bench_results/bench_hosts.json and .md.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--host-timeout-s", type=float, default=2.0)
     parser.add_argument("--stall-timeout-s", type=float, default=3.0)
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=10.0,
+        help="cluster.collective_timeout_s of every run: the baseline's survivors wait at most this long for a lost "
+        "host (NCCL's default is 600 s)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench_results")
     options = parser.parse_args(argv)
     runs = options.out / "hosts_runs"
@@ -95,11 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         f"trainer.max_steps={options.steps}",
         "trainer.print_every=100000",
         f"ft.host_timeout_s={options.host_timeout_s}",
+        f"cluster.collective_timeout_s={options.collective_timeout_s}",
     ]
     schedule = loss_schedule(steps=options.steps, losses=options.losses, num_hosts=2, seed=options.seed)
     print(f"host losses (step, host): {[(e['step'], e['host']) for e in schedule]}", flush=True)
     reference = launch(runs / "fault_free", *common, "ft.spares=0")
     faulty = launch(runs / "kill_host", *common, "ft.spares=0", *fault_args(schedule))
+    mtbf_s = reference["wall_s"] / (options.losses + 1)
+    restarted = launch(
+        runs / "checkpoint_restart",
+        *common,
+        "ft=checkpoint_restart",
+        "ft.spares=0",
+        "cluster.spare_hosts=0",
+        "ft.checkpoint_every=auto",
+        f"ft.mtbf_s={mtbf_s:.1f}",
+        *fault_args(schedule),
+    )
     stuck = {}
     for where in ("compute", "collective"):
         event = {"kind": "stuck", "rank": 1, "step": options.steps // 2, "where": where}
@@ -107,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             runs / f"stuck_{where}", *common, f"ft.stall_timeout_s={options.stall_timeout_s}", *fault_args([event])
         )
     lost = phases(faulty["recoveries"])
+    baseline = phases(restarted["recoveries"])
     budget = options.host_timeout_s + 1.0
+    ratio = (
+        baseline["time_to_recover_s"] / lost["time_to_recover_s"]
+        if lost["time_to_recover_s"] and baseline["time_to_recover_s"]
+        else None
+    )
     result = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -132,8 +160,19 @@ def main(argv: list[str] | None = None) -> int:
             }
             for where, run in stuck.items()
         },
-        "baseline": "not measured yet: torchrun with c10d rendezvous across the namespaces (the multi-node form of "
-        "ft=checkpoint_restart) is not built",
+        "baseline": {
+            "layout": "ft=checkpoint_restart: one torchrun per host (c10d rendezvous), 2 training hosts, a lost host "
+            f"replaced by a fresh one; ft.checkpoint_every=auto with ft.mtbf_s={mtbf_s:.1f}",
+            "failures": len(restarted["failures"]),
+            "time_lost_median_by_phase_s": baseline,
+            "redone_steps": [r.get("redone_steps") for r in restarted["recoveries"]],
+            "goodput": restarted.get("goodput"),
+            "param_sha256_equal": restarted["param_sha256"] == reference["param_sha256"],
+        },
+        "time_lost_ratio_baseline_to_ckptless": ratio,
+        "goodput_ratio_ckptless_to_baseline": (
+            faulty["goodput"] / restarted["goodput"] if faulty.get("goodput") and restarted.get("goodput") else None
+        ),
     }
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "bench_hosts.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -146,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "| | time lost, median | detect | rebuild | transfer | replay | per failure | final hash = fault-free |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    rows = [("host lost", lost, result["host_losses"]["param_sha256_equal"])]
+    rows = [
+        ("host lost: ckptless", lost, result["host_losses"]["param_sha256_equal"]),
+        ("host lost: checkpoint_restart", baseline, result["baseline"]["param_sha256_equal"]),
+    ]
     rows += [
         (f"rank stuck in {w}", result["stuck"][w]["time_lost_s"], result["stuck"][w]["param_sha256_equal"])
         for w in stuck
@@ -162,8 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Target: time lost per host loss at most ft.host_timeout_s + 1 = {budget:.1f} s: "
         f"{'met' if result['host_losses']['target_met'] else 'NOT met'}. Goodput with {len(schedule)} host losses: "
-        f"{goodput * 100:.1f} % (fault-free run: {result['host_losses']['fault_free_goodput'] * 100:.1f} %).",
-        f"Baseline: {result['baseline']}.",
+        f"{goodput * 100:.1f} % under ckptless, {result['baseline']['goodput'] * 100:.1f} % under checkpoint_restart "
+        f"(fault-free run: {result['host_losses']['fault_free_goodput'] * 100:.1f} %).",
+        f"Time lost per host loss, checkpoint_restart / ckptless: {ratio:.1f}x (target: at least 20x: "
+        f"{'met' if ratio >= 20 else 'NOT met'})."
+        if ratio
+        else "Time lost per host loss, checkpoint_restart / ckptless: not measured (a run did not recover).",
+        f"Baseline: {result['baseline']['layout']}.",
     ]
     (options.out / "bench_hosts.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
