@@ -107,6 +107,30 @@ def test_a_killed_worker_and_a_hung_one_on_emulated_hosts(run, fault_free):
 
 
 @needs_netns
+def test_two_hosts_lost_at_once_are_replaced_by_two_spare_hosts(run):
+    """3 training hosts, 2 spare hosts; hosts 1 and 2 go at the same instant: the second loss is found while the
+    recovery from the first forms, both ranks move to the spare hosts, and the state comes from host0 alone."""
+    three = ("trainer.global_batch_size=24", "ft.spares=0")
+    proc, run_dir = run("reference-3", *three, "cluster.nproc=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expected = read_summary(run_dir)["param_sha256"]
+    proc, run_dir = run(
+        "two-hosts",
+        *NETNS,
+        *three,
+        "cluster.num_hosts=3",
+        "cluster.spare_hosts=2",
+        "fault=kill_host",
+        "fault.host=1",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_host,host:2,step:{FAULT_STEP}}}]",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=expected, failures=2)
+    assert {f["kind"] for f in summary["failures"]} == {"host_lost"}
+    assert summary["final_world_size"] == 3
+
+
+@needs_netns
 @pytest.mark.parametrize("where", ["compute", "collective"])
 def test_a_rank_stuck_while_alive_is_blamed_fenced_and_replaced(run, fault_free, where):
     proc, run_dir = run(
