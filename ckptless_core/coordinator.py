@@ -436,14 +436,18 @@ class Coordinator:
             )
         if failures:
             return failures
-        for name in alive:
-            report = self.workers[name].failure
-            if (
-                report is not None
-                and report[0].generation == self.generation.number
-                and now - report[1] >= self.ft.settle_s
-            ):
-                failures[name] = _failure(report[0].kind, report[0].error, "worker_report", lost=False)
+        reports = {
+            name: self.workers[name].failure[0]
+            for name in alive
+            if self.workers[name].failure is not None
+            and self.workers[name].failure[0].generation == self.generation.number
+        }
+        if not any(now - self.workers[name].failure[1] >= self.ft.settle_s for name in reports):
+            return failures
+        # A collective that failed because a peer raised and left it is that peer's failure, not a second one.
+        causes = {name: r for name, r in reports.items() if r.kind != "collective"} or reports
+        for name, report in causes.items():
+            failures[name] = _failure(report.kind, report.error, "worker_report", lost=False)
         return failures
 
     def _stalled(self, now: float) -> list[str]:

@@ -9,7 +9,7 @@ fresh one, every worker restarted from the latest checkpoint (interval: Young-Da
 run per place a rank can get stuck (`fault=stuck`, `where=compute` and `where=collective`) measures what a stuck
 rank costs. Every run is `python -m launcher ...`, as a user starts it.
 
-    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~10 min
+    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~17 min here
     python scripts/bench_hosts.py --steps 300 --losses 2 # quick check
 
 Targets: time lost per host loss at most `ft.host_timeout_s` + 1 s, and at least 20x less than the baseline's.
