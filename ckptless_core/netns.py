@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 PREFIX = "ckl"
@@ -67,6 +68,9 @@ class EmulatedHosts:
         self.hosts: list[EmulatedHost] = []
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
+            # A bridge takes the lowest MAC address of its ports unless given one: adding or removing a host would
+            # change the gateway's MAC under every host's ARP cache, and their traffic to it would vanish for seconds.
+            _ip("link", "set", self.bridge, "address", _bridge_mac(self.owner))
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for _ in range(count):
@@ -118,6 +122,7 @@ class EmulatedHosts:
             for pid in [host.process.pid, *_netns_pids(host.netns)]:
                 _kill(pid)
             host.process.wait(timeout=10)
+            _wait_until_empty(host.netns)
 
     def host_of(self, pid: int) -> EmulatedHost | None:
         """The host whose network namespace process `pid` (of this machine's PID namespace) runs in, if any."""
@@ -153,6 +158,7 @@ def _remove_set(owner: int) -> None:
         if (m := _NAME.match(name)) and int(m.group(1)) == owner:
             for pid in _netns_pids(name):
                 _kill(pid)
+            _wait_until_empty(name)
             _ip("netns", "delete", name, check=False)
     for name in _link_names():
         if (m := _NAME.match(name)) and int(m.group(1)) == owner:
@@ -183,9 +189,21 @@ def _free_subnet() -> str:
     raise NetnsUnavailable("no free 10.213.K.0/24 subnet for emulated hosts")
 
 
+def _bridge_mac(owner: int) -> str:
+    """A locally administered unicast address, one per owning launcher."""
+    return "02:c1:" + ":".join(f"{(owner >> shift) & 0xFF:02x}" for shift in (24, 16, 8, 0))
+
+
 def _netns_pids(netns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30).stdout
     return [int(pid) for pid in out.split()]
+
+
+def _wait_until_empty(netns: str, *, timeout_s: float = 10.0) -> None:
+    """Until every process SIGKILLed in the namespace has exited (a signal is delivered, not waited for)."""
+    deadline = time.monotonic() + timeout_s
+    while _netns_pids(netns) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _netns_inode(netns: str) -> int | None:
