@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -118,10 +118,7 @@ class Coordinator:
         self.spec = spec
         self.ft = spec.ft
         self.per_host = -(-spec.nproc // spec.num_hosts)
-        # A host's fault strikes through its first rank: when that rank reaches the step, the host goes.
-        self.injector = FaultInjector(
-            [replace(e, rank=e.host * self.per_host) if e.kind == "kill_host" else e for e in spec.faults]
-        )
+        self.injector = FaultInjector(spec.faults, per_host=self.per_host)
         self.events = EventLog(spec.run_dir / "events" / "coordinator.jsonl", worker="coordinator")
         self.store, self._store_socket = _bound_store(self.bind_address, timeout_s=spec.store_timeout_s)
         self.events.emit(
@@ -161,16 +158,18 @@ class Coordinator:
 
     def _publish(self, generation: Generation) -> None:
         self.generation = generation
+        # Counted before anyone hears of it: once sent, its members' rendezvous keys arrive at their own pace.
+        self._forget_old_generations()
+        store_keys = self.store.num_keys()
         for host in self.hosts:
             self._to_host(host, generation)
-        self._forget_old_generations()
         self.events.emit(
             "generation_started",
             generation=generation.number,
             members=generation.members,
             world_size=generation.world_size,
             reason=generation.reason,
-            store_keys=self.store.num_keys(),
+            store_keys=store_keys,
         )
 
     def _forget_old_generations(self) -> None:

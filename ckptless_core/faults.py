@@ -22,7 +22,7 @@ import random
 import signal
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -112,7 +112,9 @@ class FaultInjector:
     """Decides, from what the coordinator observes, when each fault event strikes and whom. Each event fires once
     (chaos: repeatedly), so a replayed step is not struck again."""
 
-    def __init__(self, events: list[FaultEvent]) -> None:
+    def __init__(self, events: list[FaultEvent], *, per_host: int = 1) -> None:
+        # A host's fault strikes through its first rank: when that rank's step is due, the host goes.
+        events = [replace(e, rank=e.host * per_host) if e.kind == "kill_host" else e for e in events]
         self.pending = [e for e in events if e.kind != "chaos"]
         self.chaos = [(e, random.Random(e.seed)) for e in events if e.kind == "chaos"]
         self.chaos_next: dict[int, float] = {}
@@ -170,8 +172,10 @@ class FaultInjector:
             return sender if recovering and sender is not None else None
         if event.kind == "kill_in_recovery":
             return by_rank.get(event.rank) if recovering and reached >= event.step - 1 else None
+        # Due once the job reached the step (not the target itself: two faults of one step then strike together,
+        # before a fast rank commits it alone).
         worker = by_rank.get(event.rank)
-        if worker is None or recovering or progress.get(worker, 0) < event.step - 1:
+        if worker is None or recovering or reached < event.step - 1:
             return None
         return worker
 

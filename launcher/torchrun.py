@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,7 +36,8 @@ from recipes.schema import JobConfig
 RENDEZVOUS_ID = "ckptless"
 KEEP_ALIVE_S = 5
 """A torchrun silent this long leaves the rendezvous (torchrun's default: 15 s). Shorter ones drop live hosts of a
-busy machine at start. It adds nothing to a recovery: the survivors' collectives time out first."""
+busy machine at start. A lost host is found by whichever comes first: its keep-alive expiring (the replacement then
+waits in a new round and the survivors restart) or the survivors' collective timeout."""
 
 
 def torchrun_command(
@@ -147,9 +147,7 @@ class TorchrunJob:
         self.events = EventLog(run_dir / "events" / "launcher.jsonl", worker="launcher")
         self.watch = WorkerWatch(run_dir / "events")
         per_host = job.cluster.nproc_per_host or job.cluster.nproc
-        self.injector = FaultInjector(
-            [replace(e, rank=e.host * per_host) if e.kind == "kill_host" else e for e in job.fault.events()]
-        )
+        self.injector = FaultInjector(job.fault.events(), per_host=per_host)
         self.torchruns: dict[str, subprocess.Popen] = {}
         """The torchrun of each host (`local` on one host) that was not powered off."""
         self.emulated: EmulatedHosts | None = None
@@ -308,8 +306,8 @@ class TorchrunJob:
             )
 
     def _power_off(self, host: EmulatedHost) -> None:
-        """`fault=kill_host`: the host is gone with its torchrun and workers; a fresh host takes its place as a
-        spare, as a cluster's scheduler replaces a failed node."""
+        """`fault=kill_host`: the host is gone with its torchrun and workers; a fresh host takes its place at once
+        and joins the next rendezvous round, as a cluster's scheduler replaces a failed node."""
         self.emulated.kill(host)
         del self.torchruns[host.name]
         self._start_host(self.emulated.add())
