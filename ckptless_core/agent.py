@@ -2,6 +2,16 @@
 fork server, watches them (an exit is seen at once), signals and fences them on the coordinator's word, and relays
 between them and the coordinator. It is the only way the coordinator reaches a host's processes.
 
+When the coordinator's channel closes without a Shutdown (the coordinator died), the agent keeps its workers
+training, reconnects with backoff, and resends what a restarted coordinator needs (each worker's start, readiness,
+latest progress, failure and exit); after `coordinator_timeout_s` without one it stops them at a step boundary and
+exits (code 3).
+
+A channel that stays open while the coordinator falls silent is a partition: the coordinator will replace this
+host's ranks after `host_timeout_s`. So when nothing came from it for `lease_s` (shorter) while no worker of this
+host committed a step, the agent fences its workers itself (SIGKILL: nothing more is written), then keeps trying to
+reach the coordinator, which refuses it once its ranks were replaced.
+
     python -m ckptless_core.agent --coordinator 10.0.0.1:29400 --host node7 --secret-file /shared/run/secret \\
         --run-dir /shared/run [--ifname eth0] [--preload torch ...]
 
@@ -32,12 +42,15 @@ from ckptless_core.protocol import (
     WORKER_REPORTS,
     Channel,
     ChannelClosed,
+    CoordinatorHeartbeat,
     FenceWorker,
     Generation,
     Hello,
     HostHeartbeat,
+    Progress,
     ProtocolError,
     Refused,
+    Resent,
     Shutdown,
     SignalWorker,
     StartWorker,
@@ -49,7 +62,7 @@ from ckptless_core.protocol import (
     connect_channel,
     read_secret,
 )
-from ckptless_core.worker_process import run_worker
+from ckptless_core.worker_process import exit_with, run_worker
 
 EXIT_REFUSED = 2
 EXIT_COORDINATOR_LOST = 3
@@ -70,6 +83,14 @@ class HostJob:
     """Modules the fork server imports once (when not already given on the command line)."""
     heartbeat_interval_s: float = 0.25
     """How often the agent tells the coordinator that this host is reachable."""
+    coordinator_timeout_s: float = 60.0
+    """How long the agent keeps its workers without a coordinator before it stops them and exits."""
+    lease_s: float = 1.5
+    """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
+
+
+RESEND_ORDER = ("WorkerStarted", "Ready", "committed", "Progress", "FailureReport", "SourceAnnounced", "WorkerExited")
+"""What an agent keeps of each worker (its latest of each) and resends, in this order, to a restarted coordinator."""
 
 
 def config_sha256(run_dir: str | Path | None) -> str:
@@ -80,11 +101,20 @@ def config_sha256(run_dir: str | Path | None) -> str:
 
 class Agent:
     def __init__(
-        self, *, coordinator: tuple[str, int], host: str, secret: bytes, run_dir: str | None, ifname: str | None
+        self,
+        *,
+        coordinator: tuple[str, int],
+        host: str,
+        secret: bytes,
+        run_dir: str | None,
+        ifname: str | None,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         self.host = host
         self.secret = secret
         self.ifname = ifname
+        self.address = coordinator
+        self.run_dir = run_dir
         self.inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
@@ -93,18 +123,30 @@ class Agent:
         self.stop_at: StopAt | None = None
         self.context = None
         self.job: HostJob | None = None
-        self.coordinator = connect_channel(coordinator, secret=secret)
-        self.coordinator.send(
+        self.reports: dict[str, dict[str, object]] = {}
+        """Per worker, its latest report of each kind (RESEND_ORDER)."""
+        self._send_lock = threading.RLock()
+        self.connected = threading.Event()
+        self.coordinator_heard_at = self.last_commit_at = time.monotonic()
+        self.fenced = False
+        self.coordinator = self._connect_once(connect_timeout_s)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.events: EventLog | None = None
+
+    def _connect_once(self, timeout_s: float) -> Channel:
+        """Connect and say Hello, waiting up to `timeout_s` for the coordinator to answer (its listening socket may
+        be held for a coordinator that is still starting)."""
+        channel = connect_channel(self.address, secret=self.secret, timeout_s=max(1.0, timeout_s))
+        channel.send(
             Hello(
                 role="agent",
-                name=host,
+                name=self.host,
                 version=str(PROTOCOL_VERSION),
-                config_sha256=config_sha256(run_dir),
+                config_sha256=config_sha256(self.run_dir),
                 pid=os.getpid(),
             )
         )
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.events: EventLog | None = None
+        return channel
 
     def run(self, *, preload: list[str]) -> int:
         try:
@@ -116,6 +158,7 @@ class Agent:
             return EXIT_REFUSED
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+        self.connected.set()
         self.job = HostJob(**reply.job)
         self.context = start_fork_server(preload or self.job.preload)
         self.events = EventLog(
@@ -135,7 +178,7 @@ class Agent:
             # Every process not yet reported as exited is waited on: one that ended while this loop was busy
             # elsewhere has a readable sentinel too.
             sentinels = {p.sentinel: name for name, p in self.processes.items()}
-            ready = multiprocessing.connection.wait([self._wake_r, *sentinels], timeout=1.0)
+            ready = multiprocessing.connection.wait([self._wake_r, *sentinels], timeout=self.job.heartbeat_interval_s)
             for sentinel in ready:
                 if sentinel in sentinels:
                     self._report_exit(sentinels[sentinel])
@@ -147,11 +190,18 @@ class Agent:
                 except queue.Empty:
                     break
                 if source is None:  # from the coordinator
-                    if message is None or isinstance(message, Shutdown):
-                        return 0 if message is not None else EXIT_COORDINATOR_LOST
+                    if isinstance(message, Shutdown):
+                        return 0
+                    if isinstance(message, Refused):
+                        return EXIT_REFUSED
+                    if message is None:
+                        self._stop_workers_cleanly()
+                        return EXIT_COORDINATOR_LOST
                     self._handle(message)
                 elif message is not None and isinstance(message, WORKER_REPORTS):
                     self._relay(source, message)
+            if self._lease_expired():
+                self._fence_self()
 
     def _handle(self, message) -> None:
         if isinstance(message, StartWorker):
@@ -204,6 +254,37 @@ class Agent:
         self.processes[order.worker] = process
         self._send(WorkerStarted(worker=order.worker, pid=process.pid, spare=order.spare))
 
+    def _lease_expired(self) -> bool:
+        """Connected, yet silent for `lease_s`, while this host's members of the generation commit nothing."""
+        now = time.monotonic()
+        members = [name for name in self.generation.members if name in self.processes]
+        silent = now - self.coordinator_heard_at > self.job.lease_s and self.connected.is_set()
+        return not self.fenced and bool(members) and silent and now - self.last_commit_at > self.job.lease_s
+
+    def _fence_self(self) -> None:
+        silent_s = time.monotonic() - self.coordinator_heard_at
+        self.fenced = True
+        for name in list(self.processes):
+            self._signal(name, signal.SIGKILL)
+        for name in list(self.processes):
+            self._report_exit(name)
+        message = f"no word from the coordinator for {silent_s:.1f} s (ft.lease_s={self.job.lease_s}) while no step"
+        print(f"agent {self.host}: {message} committed: cut off, its workers fenced", file=sys.stderr, flush=True)
+        self.events.emit("self_fenced", silent_s=silent_s, lease_s=self.job.lease_s)
+        self.connected.clear()
+        self.coordinator.close()  # the reader thread tries to reach the coordinator again
+
+    def _stop_workers_cleanly(self) -> None:
+        """No coordinator came back: this host's workers stop together two steps past the most advanced one (writing
+        their final checkpoint where configured), as on a stop request; those left after the grace are killed."""
+        committed = {name: kept["committed"].step for name, kept in self.reports.items() if "committed" in kept}
+        self._handle(StopAt(step=max(committed.values(), default=0) + 2))
+        deadline = time.monotonic() + self.job.coordinator_timeout_s
+        for name, process in list(self.processes.items()):
+            if name in committed:  # a training worker (spares are killed with the rest)
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+                self._report_exit(name)
+
     def _report_exit(self, name: str) -> None:
         process = self.processes.pop(name, None)
         if process is None:
@@ -222,10 +303,33 @@ class Agent:
         self._send(message)
 
     def _send(self, message) -> None:
-        try:
-            self.coordinator.send(message)
-        except ChannelClosed:
-            self._put(None, None)
+        """Kept (see RESEND_ORDER) and sent; without a coordinator only kept: nothing here waits for one."""
+        with self._send_lock:
+            self._keep(message)
+            if not self.connected.is_set():
+                return
+            try:
+                self.coordinator.send(message)
+            except ChannelClosed:
+                self.connected.clear()  # the reader thread reconnects
+
+    def _keep(self, message) -> None:
+        kind = type(message).__name__
+        if isinstance(message, Progress) and message.marker == "committed":
+            kind = "committed"
+        if kind in RESEND_ORDER:
+            self.reports.setdefault(message.worker, {})[kind] = message
+        if kind == "committed":
+            self.last_commit_at = time.monotonic()
+
+    def _resend(self) -> None:
+        """To a coordinator this agent reconnected to: everything it keeps, then `Resent`. Holding the send lock,
+        so no report of the meantime overtakes them."""
+        for kept in self.reports.values():
+            for kind in RESEND_ORDER:
+                if kind in kept:
+                    self.coordinator.send(kept[kind])
+        self.coordinator.send(Resent(host=self.host, workers=list(self.reports)))
 
     def _to_worker(self, name: str, link: Channel, message) -> None:
         try:
@@ -259,9 +363,53 @@ class Agent:
             try:
                 message = self.coordinator.recv()
             except (ChannelClosed, ProtocolError):
-                self._put(None, None)
-                return
-            self._put(None, message)
+                self.connected.clear()
+                if not self._reconnect():
+                    return
+                continue
+            self.coordinator_heard_at = time.monotonic()
+            if not isinstance(message, CoordinatorHeartbeat):
+                self._put(None, message)
+
+    def _reconnect(self) -> bool:
+        """The coordinator's channel closed without a Shutdown: reconnect with backoff (its successor listens on
+        the same address and port) and resend; False once refused or after `coordinator_timeout_s` (the serve loop
+        is told and exits)."""
+        lost_at = time.monotonic()
+        deadline, delay = lost_at + self.job.coordinator_timeout_s, 0.05
+        self.events.emit("coordinator_channel_closed")
+        while time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            try:
+                channel = self._connect_once(deadline - time.monotonic())
+                reply = channel.recv()
+            except (OSError, ChannelClosed, ProtocolError):
+                continue
+            if isinstance(reply, Refused):
+                print(f"agent {self.host}: refused by the coordinator: {reply.reason}", file=sys.stderr, flush=True)
+                self.events.emit("agent_refused", reason=reply.reason)
+                self._put(None, reply)
+                return False
+            with self._send_lock:
+                self.coordinator = channel
+                try:
+                    self._resend()
+                except ChannelClosed:
+                    continue
+                self.coordinator_heard_at = time.monotonic()
+                self.connected.set()
+            self.events.emit("coordinator_reconnected", after_s=time.monotonic() - lost_at)
+            return True
+        print(
+            f"agent {self.host}: no coordinator for {self.job.coordinator_timeout_s:.0f} s "
+            "(ft.coordinator_timeout_s): stopping this host's workers",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.events.emit("coordinator_timeout", timeout_s=self.job.coordinator_timeout_s)
+        self._put(None, None)
+        return False
 
     def _accept_workers(self) -> None:
         while True:
@@ -325,7 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ifname", default=None, help="network interface for the collective backend on this host")
     parser.add_argument("--preload", nargs="*", default=[], help="modules the fork server imports once")
     parser.add_argument("--connect-timeout-s", type=float, default=60.0)
+    parser.add_argument("--exit-with-parent", action="store_true", help="die with the process that started it")
     options = parser.parse_args(argv)
+    if options.exit_with_parent:
+        exit_with(os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides how a job stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     address, _, port = options.coordinator.rpartition(":")
@@ -341,14 +492,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _connect(options, address: tuple[str, int], secret: bytes) -> Agent:
-    """Join the coordinator, retrying with backoff while it is not up yet (bounded by --connect-timeout-s)."""
+    """Join the coordinator, retrying with backoff while it is not up yet or not answering yet (bounded by
+    --connect-timeout-s)."""
     deadline, delay = time.monotonic() + options.connect_timeout_s, 0.05
     while True:
         try:
             return Agent(
-                coordinator=address, host=options.host, secret=secret, run_dir=options.run_dir, ifname=options.ifname
+                coordinator=address,
+                host=options.host,
+                secret=secret,
+                run_dir=options.run_dir,
+                ifname=options.ifname,
+                connect_timeout_s=deadline - time.monotonic(),
             )
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, TimeoutError):
             if time.monotonic() + delay > deadline:
                 raise
             time.sleep(delay)

@@ -28,9 +28,12 @@ class Refusal:
 
 
 class ControlServer:
-    def __init__(self, *, secret: bytes, bind_address: str, port: int = 0) -> None:
+    def __init__(
+        self, *, secret: bytes, bind_address: str, port: int = 0, listener: socket.socket | None = None
+    ) -> None:
+        """Listens on (`bind_address`, `port`), or serves `listener`, a listening socket it was handed."""
         self.secret = secret
-        self.listener = socket.create_server((bind_address, port))
+        self.listener = listener or socket.create_server((bind_address, port), backlog=128)
         self.address = (bind_address, self.listener.getsockname()[1])
         self._inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()

@@ -5,13 +5,20 @@ store, which serves only the collective backend's rendezvous.
 
 It never touches a worker directly: every start, signal and fence goes through the worker's agent. `cluster=local`
 is this with one agent on this machine (`LocalCluster`).
+
+It may die: every decision goes to its journal (`journal.py`) before anyone hears of it, and a coordinator started
+afresh on the same address and port (`resume`) rebuilds its view from the journal and from what the agents, which
+keep their workers and reconnect, resend. Steps whose collectives succeed need no coordinator meanwhile.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -20,20 +27,24 @@ import torch.distributed as dist
 from ckptless_core.agent import HostJob
 from ckptless_core.control_server import ControlServer, Refusal
 from ckptless_core.events import EventLog
-from ckptless_core.faults import FaultInjector, signal_name
+from ckptless_core.faults import HOST_KINDS, FaultEvent, FaultInjector, signal_name
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR, JobOutcome, JobSpec, describe_exit
+from ckptless_core.journal import Journal, journal_path, read_journal
 from ckptless_core.protocol import (
     PROTOCOL_VERSION,
     ChannelClosed,
+    CoordinatorHeartbeat,
     FailureReport,
     FenceWorker,
     Generation,
+    Heartbeat,
     Hello,
     HostHeartbeat,
     Position,
     Progress,
     Ready,
     Refused,
+    Resent,
     Shutdown,
     SignalWorker,
     SourceAnnounced,
@@ -87,23 +98,47 @@ class _Host:
     capacity: int = 0
     """Processes the host runs at most: what it was given at the start, or `nproc_per_host` for a host that joins
     a running job (a replaced node); replacement spares go where a slot is free."""
+    resent: bool = True
+    """False while an agent that reconnected to a restarted coordinator resends its reports."""
 
 
 class Coordinator:
     """Runs one job over its agents; `start()`, then `poll()` until it returns an outcome."""
 
-    def __init__(self, *, secret: bytes, bind_address: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        bind_address: str = "127.0.0.1",
+        port: int = 0,
+        listener: socket.socket | None = None,
+        store_socket: socket.socket | None = None,
+        strike_host: Callable[[FaultEvent, str], None] | None = None,
+    ) -> None:
+        """`listener`, `store_socket`: listening sockets to serve the control channels and the store on (a restarted
+        coordinator takes over its predecessor's); `strike_host(event, host)`: how this cluster powers a host off or
+        cuts it off (`kill_host`, `partition`), where it can."""
         self.secret = secret
         self.bind_address = bind_address
-        self.control = ControlServer(secret=secret, bind_address=bind_address, port=port)
+        self.control = ControlServer(secret=secret, bind_address=bind_address, port=port, listener=listener)
         self.address = self.control.address
+        self._store_socket = store_socket
+        self.strike_host = strike_host
+        self.journal: Journal | None = None
+        self.lost_hosts: set[str] = set()
+        """Hosts declared lost: an agent of one that comes back is refused (its workers were replaced)."""
+        self.ending = False
+        """Every agent was told to shut down: a host that leaves now is done, not lost."""
+        self._closed = threading.Event()
+        self._journaled_hosts: dict[str, int] = {}
+        """Resuming: host -> capacity, as the journal has them."""
         self.hosts: dict[str, _Host] = {}
         self.workers: dict[str, _Worker] = {}
         self.generation = Generation()
         self.spec: JobSpec | None = None
         self.events: EventLog | None = None
         self.next_worker_id = 0
-        self.spares_owed = 0
+        self._spares_owed = 0
         self.failures_without_progress = 0
         self.progress_at_last_failure = -1
         self.injected_at: dict[str, float] = {}
@@ -113,16 +148,48 @@ class Coordinator:
 
     # --- start ------------------------------------------------------------------------------------------------
 
-    def start(self, spec: JobSpec) -> None:
-        """Host the store, admit `spec.num_hosts` agents (bounded by the start timeout), start every worker."""
+    @property
+    def spares_owed(self) -> int:
+        """Spares promoted or lost and not replaced yet."""
+        return self._spares_owed
+
+    @spares_owed.setter
+    def spares_owed(self, value: int) -> None:
+        self._spares_owed = value
+        self.journal.write("spares_owed", value=value)
+
+    def _open(self, spec: JobSpec) -> None:
         self.spec = spec
         self.ft = spec.ft
         self.per_host = -(-spec.nproc // spec.num_hosts)
         self.injector = FaultInjector(spec.faults, per_host=self.per_host)
         self.events = EventLog(spec.run_dir / "events" / "coordinator.jsonl", worker="coordinator")
-        self.store, self._store_socket = _bound_store(self.bind_address, timeout_s=spec.store_timeout_s)
+        self.journal = Journal(journal_path(spec.run_dir))
+        self.store, self._store_socket = _bound_store(
+            self.bind_address, timeout_s=spec.store_timeout_s, sock=self._store_socket
+        )
+        self.heartbeat_interval_s = min(0.25, spec.ft.host_timeout_s / 8)
+        threading.Thread(target=self._beat, name="coordinator-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """Every agent hears from the coordinator at least every heartbeat interval, from a thread of its own (the
+        main loop may wait on a fence): the lease of its host holds (see `agent`)."""
+        while not self._closed.wait(self.heartbeat_interval_s):
+            for host in list(self.hosts.values()):
+                try:
+                    host.channel.send(CoordinatorHeartbeat(generation=self.generation.number))
+                except (ChannelClosed, OSError):
+                    pass  # the main loop learns of it from the channel's reader
+
+    def start(self, spec: JobSpec) -> None:
+        """Host the store, admit `spec.num_hosts` agents (bounded by the start timeout), start every worker."""
+        self._open(spec)
         self.events.emit(
-            "coordinator_started", address=self.address[0], port=self.address[1], store_port=self.store.port
+            "coordinator_started",
+            address=self.address[0],
+            port=self.address[1],
+            store_port=self.store.port,
+            pid=os.getpid(),
         )
         deadline = time.monotonic() + spec.store_timeout_s
         expected = spec.num_hosts + spec.spare_hosts
@@ -135,6 +202,7 @@ class Coordinator:
             self._drain()
         names = sorted(self.hosts)
         self.training_hosts, spare_hosts = names[: spec.num_hosts], names[spec.num_hosts :]
+        self.journal.write("hosts", names=names)
         members = {}
         for rank in range(spec.nproc):
             members[self._start_worker(self.training_hosts[rank // self.per_host], spare=False)] = rank
@@ -146,17 +214,82 @@ class Coordinator:
                 for _ in range(self.per_host):
                     self._start_worker(host, spare=True)
         for host in self.hosts.values():
-            host.capacity = len(host.workers)
+            self._set_capacity(host.name, len(host.workers))
+
+    def resume(self, spec: JobSpec) -> None:
+        """Take over a running job after the coordinator before this one died: replay the journal, wait (bounded)
+        for every host's agent to reconnect and resend what it knows; a host that does not is lost. A generation
+        that was still forming is published again under a new number: its rendezvous keys died with the old
+        store."""
+        self._open(spec)
+        records = read_journal(journal_path(spec.run_dir))
+        for record in records:
+            self._replay(record)
+        self.events.emit(
+            "coordinator_resumed",
+            generation=self.generation.number,
+            journal_records=len(records),
+            port=self.address[1],
+            pid=os.getpid(),
+        )
+        expected = set(self._journaled_hosts) - self.lost_hosts
+        deadline = time.monotonic() + max(5.0, 3 * self.ft.host_timeout_s)
+        while not all(h in self.hosts and self.hosts[h].resent for h in expected):
+            if time.monotonic() > deadline:
+                break
+            self.wait_for_change(0.1)
+            self._drain()
+        for host in sorted(expected):
+            if host not in self.hosts or not self.hosts[host].resent:
+                self._host_lost(host, "its agent did not reconnect to the restarted coordinator")
+        members = self.generation.members
+        if self._recovering() and all(self.workers[n].alive for n in members):
+            self._publish_next(dict(members), reason="coordinator_restart")
+
+    def _replay(self, record: dict) -> None:
+        op = record["op"]
+        if op == "hosts":
+            self._journaled_hosts = dict.fromkeys(record["names"], 0)
+            self.training_hosts = record["names"][: self.spec.num_hosts]
+        elif op == "host":
+            self._journaled_hosts[record["name"]] = record["capacity"]
+        elif op == "worker":
+            name = record["name"]
+            self.workers[name] = _Worker(
+                name=name, host=record["host"], spare=record["spare"], started_at=time.monotonic()
+            )
+            self.next_worker_id = max(self.next_worker_id, int(name.removeprefix("worker")) + 1)
+        elif op == "generation":
+            self.generation = Generation(**{key: value for key, value in record.items() if key != "op"})
+        elif op == "retired":
+            self.workers[record["name"]].retired = True
+        elif op == "host_lost":
+            self.lost_hosts.add(record["name"])
+        elif op == "spares_owed":
+            self._spares_owed = record["value"]
+        elif op == "fault_fired":
+            self.injector.fired(FaultEvent(**record["event"]))
+            self.injected_at[record["worker"]] = record["t"]  # a failure it caused is timed from then
+
+    def _set_capacity(self, host: str, capacity: int) -> None:
+        self.hosts[host].capacity = capacity
+        self.journal.write("host", name=host, capacity=capacity)
 
     def _start_worker(self, host: str, *, spare: bool, background: bool = False) -> str:
         name = f"worker{self.next_worker_id}"
         self.next_worker_id += 1
+        self.journal.write("worker", name=name, host=host, spare=spare)
         self.workers[name] = _Worker(name=name, host=host, spare=spare, started_at=time.monotonic())
         self.hosts[host].workers.append(name)
         self._to_host(host, StartWorker(worker=name, spare=spare, background=background))
         return name
 
+    def _retire(self, name: str) -> None:
+        self.workers[name].retired = True
+        self.journal.write("retired", name=name)
+
     def _publish(self, generation: Generation) -> None:
+        self.journal.write("generation", **asdict(generation))
         self.generation = generation
         # Counted before anyone hears of it: once sent, its members' rendezvous keys arrive at their own pace.
         self._forget_old_generations()
@@ -206,6 +339,11 @@ class Coordinator:
             reason = "the agent's run directory holds another config.yaml than this job's: start it with this job's --run-dir"
         elif hello.name in self.hosts:
             reason = f"a host named {hello.name!r} already joined: give each agent its own --host"
+        elif hello.name in self.lost_hosts:
+            reason = (
+                f"host {hello.name!r} was declared lost and its ranks replaced: its workers' state is stale; restart "
+                "its agent (under a new --host name) to join as a spare"
+            )
         if reason:
             self.events.emit("agent_refused", host=hello.name, reason=reason)
             try:
@@ -220,14 +358,28 @@ class Coordinator:
             env={**self._worker_env()},
             threads_per_worker=self.spec.threads_per_worker,
             preload=list(self.spec.preload),
-            heartbeat_interval_s=min(0.25, self.spec.ft.host_timeout_s / 8),
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            coordinator_timeout_s=self.ft.coordinator_timeout_s,
+            lease_s=self.ft.lease_s,
         )
-        channel.send(Welcome(job=asdict(job)))
-        self.hosts[hello.name] = _Host(name=hello.name, channel=channel, last_heard=time.monotonic())
-        self.events.emit("agent_joined", host=hello.name, pid=hello.pid)
+        rejoining = hello.name in self._journaled_hosts
+        if not rejoining:
+            self.journal.write("host", name=hello.name, capacity=self.per_host if self.generation.number else 0)
+        try:
+            channel.send(Welcome(job=asdict(job)))
+        except ChannelClosed:
+            return
+        host = self.hosts[hello.name] = _Host(name=hello.name, channel=channel, last_heard=time.monotonic())
+        self.events.emit("agent_joined", host=hello.name, pid=hello.pid, rejoined=rejoining)
         self.control.serve(hello.name, channel)
-        if self.generation.number:
-            self.hosts[hello.name].capacity = self.per_host  # a replaced node: its slots take the spares owed
+        if rejoining:
+            # Its workers, as the journal has them; what became of each arrives with the agent's resent reports.
+            host.capacity = self._journaled_hosts[hello.name]
+            host.workers = [n for n, w in self.workers.items() if w.host == hello.name]
+            host.resent = False
+            self._to_host(hello.name, self.generation)
+        elif self.generation.number:
+            host.capacity = self.per_host  # a replaced node: its slots take the spares owed
 
     def _worker_env(self) -> dict[str, str]:
         """torchrun-compatible names (a worker's rank comes from the generation it joins) plus the store's address."""
@@ -244,15 +396,28 @@ class Coordinator:
         }
 
     def _record(self, host: str, message, received_at: float) -> None:
+        if isinstance(message, Resent):
+            self._resent(host, message)
+            return
         worker = self.workers.get(getattr(message, "worker", ""))
-        if worker is None or worker.host != host:
-            self.events.emit("report_refused", host=host, message=type(message).__name__)
+        if worker is None or worker.host != host or (worker.retired and not isinstance(message, WorkerExited)):
+            # Not this host's worker, or one no longer in the job (fenced, lost): whatever it says changes nothing.
+            if not isinstance(message, Heartbeat):
+                self.events.emit(
+                    "report_refused",
+                    host=host,
+                    message=type(message).__name__,
+                    worker_name=getattr(message, "worker", ""),
+                )
             return
         worker.last_heard = received_at
         if isinstance(message, WorkerStarted):
             worker.pid = message.pid
             worker.started_at = received_at  # silence counts from the fork, not from the order (imports may delay it)
-            self.events.emit("worker_started", worker_name=worker.name, pid=message.pid, spare=message.spare, host=host)
+            if self.hosts[host].resent:  # (a resent one was recorded by the coordinator that died)
+                self.events.emit(
+                    "worker_started", worker_name=worker.name, pid=message.pid, spare=message.spare, host=host
+                )
         elif isinstance(message, WorkerExited):
             worker.exit_code = message.exit_code
         elif isinstance(message, Ready):
@@ -279,22 +444,36 @@ class Coordinator:
         elif isinstance(message, SourceAnnounced):
             worker.source_of = message.generation
 
+    def _resent(self, host: str, message: Resent) -> None:
+        """A reconnected agent resent all it holds: a worker the journal places on its host that it never started
+        (the coordinator died between journaling the order and sending it) is gone."""
+        self.hosts[host].resent = True
+        for name in self.hosts[host].workers:
+            worker = self.workers[name]
+            if name not in message.workers and worker.exit_code is None:
+                worker.exit_code = -signal.SIGKILL
+                worker.lost_with_host = f"never started on host {host}: the coordinator died before ordering it"
+        self.events.emit("agent_resent", host=host, workers=message.workers)
+
     def _host_lost(self, host: str, detail: str) -> None:
         """The host's agent is gone (its channel closed, or it fell silent): every process of the host with it."""
-        if host not in self.hosts:
+        if host in self.lost_hosts:
+            return
+        if self.ending:
+            if (left := self.hosts.pop(host, None)) is not None:
+                left.channel.close()
+                self.events.emit("host_left", host=host)
             return
         self.events.emit("host_lost", host=host, detail=detail)
-        lost = self.hosts.pop(host)
-        lost.channel.close()
-        for name in lost.workers:
-            worker = self.workers[name]
-            if worker.exit_code is None:
+        self.journal.write("host_lost", name=host)
+        self.lost_hosts.add(host)
+        lost = self.hosts.pop(host, None)
+        if lost is not None:
+            lost.channel.close()
+        for worker in self.workers.values():
+            if worker.host == host and worker.exit_code is None:
                 worker.exit_code = -signal.SIGKILL
                 worker.lost_with_host = f"host {host} lost: {detail}"
-
-    def kill_host(self, host: str) -> None:
-        """`fault=kill_host`: power the host off. Only a cluster that owns its hosts can (`cluster=netns`)."""
-        raise NotImplementedError(f"this cluster cannot power off host {host}")
 
     # --- watch ------------------------------------------------------------------------------------------------
 
@@ -465,7 +644,7 @@ class Coordinator:
         """Make sure a worker declared failed can never act again before anyone replaces it: its agent kills it, and
         the next generation waits for the agent to confirm (bounded)."""
         worker = self.workers[name]
-        worker.retired = True
+        self._retire(name)
         self._to_host(worker.host, FenceWorker(worker=name))
         deadline = time.monotonic() + 5.0
         while worker.exit_code is None and worker.host in self.hosts and time.monotonic() < deadline:
@@ -508,7 +687,7 @@ class Coordinator:
             return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=message, reason="no_progress")
         lost = [name for name, failure in failures.items() if failure["lost"]]
         for name in lost:
-            self.workers[name].retired = True
+            self._retire(name)
         plan = replace_lost(
             self.generation.members,
             lost,
@@ -593,7 +772,7 @@ class Coordinator:
     def _replace_lost_spares(self) -> None:
         for name, worker in self.workers.items():
             if name not in self.generation.members and not worker.retired and worker.exit_code is not None:
-                worker.retired = True
+                self._retire(name)
                 self.events.emit("spare_lost", worker_name=name, detail=describe_exit(worker.exit_code))
                 self.spares_owed += 1
 
@@ -612,11 +791,24 @@ class Coordinator:
             sender=sender,
         )
         for strike in strikes:
+            self.journal.write("fault_fired", event=asdict(strike.event), worker=strike.worker, t=time.time())
+            if strike.event.kind == "kill_coordinator":
+                self.events.emit(
+                    "fault_injected",
+                    kind="kill_coordinator",
+                    signal="SIGKILL",
+                    step=max(progress.values(), default=0) + 1,
+                    generation=self.generation.number,
+                    pid=os.getpid(),
+                )
+                os.kill(os.getpid(), signal.SIGKILL)  # this process: a restarted one takes over from the journal
             worker = self.workers[strike.worker]
-            if strike.event.kind == "kill_host":
+            if strike.event.kind in HOST_KINDS:
                 for name in self.hosts[worker.host].workers:
                     self.injected_at[name] = time.time()
-                self.kill_host(worker.host)
+                if self.strike_host is None:
+                    raise NotImplementedError(f"this cluster cannot strike host {worker.host} ({strike.event.kind})")
+                self.strike_host(strike.event, worker.host)
             else:
                 self._to_host(worker.host, SignalWorker(worker=strike.worker, signum=strike.signum))
                 self.injected_at[strike.worker] = time.time()
@@ -625,7 +817,7 @@ class Coordinator:
                 kind=strike.event.kind,
                 worker_name=strike.worker,
                 target_rank=members.get(strike.worker),
-                signal=signal_name(strike.signum),
+                signal=signal_name(strike.signum) if strike.signum else "none",
                 host=worker.host,
                 step=progress.get(strike.worker, 0) + 1,
                 generation=self.generation.number,
@@ -678,6 +870,7 @@ class Coordinator:
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """Every agent kills what is left on its host and exits (a clean stop is `request_stop`)."""
+        self.ending = True
         for host in list(self.hosts):
             self._to_host(host, Shutdown(reason="job ended"))
         deadline = time.monotonic() + timeout_s
@@ -686,11 +879,14 @@ class Coordinator:
             self._drain()
 
     def close(self) -> None:
+        self._closed.set()
         if self.spec is not None:
             self.stop()
         self.control.close()
         if self.events is not None:
             self.events.close()
+        if self.journal is not None:
+            self.journal.close()
         self.store = None
 
     def _to_host(self, host: str, message) -> None:
@@ -707,10 +903,12 @@ def _failure(kind: str, detail: str, detected_by: str, *, lost: bool = True) -> 
     return {"kind": kind, "detail": detail, "detected_by": detected_by, "lost": lost}
 
 
-def _bound_store(address: str, *, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
-    """The c10d store, listening on `address` only (its own bind would take every interface); keep the socket open
-    as long as the store."""
-    sock = socket.create_server((address, 0), backlog=1024)
+def _bound_store(
+    address: str, *, timeout_s: float, sock: socket.socket | None = None
+) -> tuple[dist.TCPStore, socket.socket]:
+    """The c10d store, listening on `address` only (its own bind would take every interface), or on the listening
+    socket `sock`; keep the socket open as long as the store."""
+    sock = sock or socket.create_server((address, 0), backlog=1024)
     store = dist.TCPStore(
         address,
         sock.getsockname()[1],

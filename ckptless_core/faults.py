@@ -6,9 +6,11 @@ the worker turns into an error raised inside the model's forward at its next cal
 interrupt native code), `corrupt` (SIGRTMIN+2: the worker silently perturbs one parameter, as a bit flip would; the
 replicas' periodic checksum comparison must catch it), `segfault` (SIGRTMIN+3, which the worker turns into a real
 native crash, SIGSEGV, at its next forward), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a
-member while the next generation forms), `kill_sender` (SIGKILL the rank sending state), `chaos` (SIGKILL a random
-rank at exponential intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same
-schedule in every ft mode).
+member while the next generation forms), `kill_sender` (SIGKILL the rank sending state), `kill_coordinator` (SIGKILL
+the coordinator's own process; a restarted one takes over), `kill_host` and `partition` (a whole host loses power,
+or its link for `duration_s`: carried out by whatever owns the hosts), `chaos` (SIGKILL a random rank at exponential
+intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same schedule in every
+ft mode).
 
 Only runs that configure `exception`, `corrupt` or `segfault` install a handler (`install_fault_handlers`), each on a
 real-time signal of its own: nothing else sends those, so a stray SIGUSR1/SIGUSR2 (Slurm's `--signal`, an operator)
@@ -29,6 +31,7 @@ import torch
 KINDS = (
     "kill_worker",
     "kill_host",
+    "partition",
     "hang",
     "stuck",
     "exception",
@@ -37,6 +40,7 @@ KINDS = (
     "kill_spare",
     "kill_in_recovery",
     "kill_sender",
+    "kill_coordinator",
     "chaos",
 )
 
@@ -61,11 +65,17 @@ SIGNALS = {
     "segfault": signal.SIGRTMIN + 3,
     "stuck": signal.SIGRTMIN + 4,
     "kill_host": signal.SIGKILL,  # every process of the host at once, by whatever powers hosts (netns: the launcher)
+    "partition": 0,  # no signal: the host's link goes down for `duration_s` (netns: by the launcher)
     "kill_spare": signal.SIGKILL,
     "kill_in_recovery": signal.SIGKILL,
     "kill_sender": signal.SIGKILL,
+    "kill_coordinator": signal.SIGKILL,
     "chaos": signal.SIGKILL,
 }
+HOST_KINDS = ("kill_host", "partition")
+"""Faults that strike a whole host (through its first rank: when that rank's step is due, the host goes)."""
+COORDINATOR = "coordinator"
+"""The target of `kill_coordinator`: the coordinator's process, not a worker."""
 
 
 @dataclass
@@ -83,10 +93,13 @@ class FaultEvent:
     max_faults: int = 0
     """chaos: stop after this many (0: no limit)."""
     host: int = 1
-    """kill_host: the training host (0-based) that loses power."""
+    """kill_host, partition: the training host (0-based) that loses power, or is cut off."""
+    duration_s: float = 5.0
+    """partition: how long the host's link stays down."""
     where: str = "compute"
     """stuck: where the rank's main thread blocks, `compute` (its forward/backward) or `collective` (the gradient
-    all-reduce), while its process and heartbeat live."""
+    all-reduce), while its process and heartbeat live. kill_coordinator, kill_host: `compute` (during a training
+    step) or `recovery` (while the next generation forms, once the job reached the step)."""
 
     def check(self, *, max_steps: int) -> None:
         if self.kind not in KINDS:
@@ -95,6 +108,10 @@ class FaultEvent:
             raise ValueError(f"fault step {self.step} is outside the run's steps 1..{max_steps}")
         if self.kind == "stuck" and self.where not in ("compute", "collective"):
             raise ValueError(f"fault.where={self.where!r}: choose compute or collective")
+        if self.kind in ("kill_coordinator", "kill_host") and self.where not in ("compute", "recovery"):
+            raise ValueError(f"fault.where={self.where!r}: choose compute (a training step) or recovery")
+        if self.kind == "partition" and self.duration_s <= 0:
+            raise ValueError(f"fault.duration_s={self.duration_s}: a partition lasts a positive time")
         if self.kind == "chaos" and self.mtbf_s <= 0:
             raise ValueError("chaos needs a positive mtbf_s")
 
@@ -114,12 +131,17 @@ class FaultInjector:
 
     def __init__(self, events: list[FaultEvent], *, per_host: int = 1) -> None:
         # A host's fault strikes through its first rank: when that rank's step is due, the host goes.
-        events = [replace(e, rank=e.host * per_host) if e.kind == "kill_host" else e for e in events]
+        events = [replace(e, rank=e.host * per_host) if e.kind in HOST_KINDS else e for e in events]
         self.pending = [e for e in events if e.kind != "chaos"]
         self.chaos = [(e, random.Random(e.seed)) for e in events if e.kind == "chaos"]
         self.chaos_next: dict[int, float] = {}
         """When each chaos event strikes next; its clock starts once training has committed a step."""
         self.chaos_count = {id(e): 0 for e, _ in self.chaos}
+
+    def fired(self, event: FaultEvent) -> None:
+        """`event` struck before (a restarted coordinator read so in its journal): it does not strike again."""
+        if event in self.pending:
+            self.pending.remove(event)
 
     @property
     def active(self) -> bool:
@@ -161,16 +183,20 @@ class FaultInjector:
                 # A rank, not a worker name, is drawn: the same seed strikes the same ranks in every ft mode.
                 target = by_rank[rng.randrange(len(by_rank))]
                 strikes.append(Strike(event=event, worker=target, signum=signal.SIGKILL))
-        return strikes
+        # The coordinator's own death last: the others are delivered first (a worker then dies while it is down).
+        return sorted(strikes, key=lambda strike: strike.worker == COORDINATOR)
 
     @staticmethod
     def _target(event, *, by_rank, progress, spares, recovering, sender) -> str | None:
         reached = max(progress.values(), default=0)
         if event.kind == "kill_spare":
             return spares[0] if spares and reached >= event.step - 1 else None
+        if event.kind == "kill_coordinator":
+            due = reached >= event.step - 1 and recovering == (event.where == "recovery")
+            return COORDINATOR if due else None
         if event.kind == "kill_sender":
             return sender if recovering and sender is not None else None
-        if event.kind == "kill_in_recovery":
+        if event.kind == "kill_in_recovery" or (event.kind == "kill_host" and event.where == "recovery"):
             return by_rank.get(event.rank) if recovering and reached >= event.step - 1 else None
         # Due once the job reached the step (not the target itself: two faults of one step then strike together,
         # before a fast rank commits it alone).

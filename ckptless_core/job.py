@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ckptless_core.faults import FaultEvent, signal_name
@@ -32,6 +34,11 @@ class FaultToleranceSpec:
     but stuck) blames those ranks: they are fenced and replaced."""
     progress_deadline_s: float = 600.0
     """No committed step for this long ends the job (exit 4), naming the ranks that did not arrive."""
+    coordinator_timeout_s: float = 60.0
+    """Agents keep their workers this long without a coordinator (it died and is being restarted), then stop."""
+    lease_s: float = 1.5
+    """A host that hears nothing from the coordinator this long while its workers commit no step fences them
+    itself (cut off: its ranks are about to be replaced); below `host_timeout_s`."""
 
 
 @dataclass
@@ -62,6 +69,20 @@ class JobSpec:
     config_sha256: str = ""
     """SHA-256 of the run's config file: an agent started with another run directory's config is refused."""
 
+    def save(self, path: Path) -> None:
+        """As JSON, written whole or not at all: what a coordinator process (first or restarted) runs."""
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self), default=str, indent=1))
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path) -> JobSpec:
+        record = json.loads(path.read_text())
+        record["run_dir"] = Path(record["run_dir"])
+        record["ft"] = FaultToleranceSpec(**{**record["ft"], "world_sizes": tuple(record["ft"]["world_sizes"])})
+        record["faults"] = [FaultEvent(**event) for event in record["faults"]]
+        return cls(**record)
+
 
 WORKER_EXIT_TRAINING_CODE_ERROR = 5
 """A worker's exit code when its training code raised the same error again on the replay of a step."""
@@ -80,6 +101,15 @@ class JobOutcome:
     training code raised the same error again after a replay), `stopped`."""
     error: str = ""
     """The traceback of a `training_code_error`."""
+
+    def save(self, path: Path) -> None:
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self)))
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path) -> JobOutcome:
+        return cls(**json.loads(path.read_text()))
 
 
 def describe_exit(code: int | None) -> str:

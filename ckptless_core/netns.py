@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class EmulatedHosts:
         self.subnet = _free_subnet()
         self.gateway = f"{self.subnet}.1"
         self.hosts: list[EmulatedHost] = []
+        self._heals: list[threading.Timer] = []
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             # A bridge takes the lowest MAC address of its ports unless given one: adding or removing a host would
@@ -124,6 +126,17 @@ class EmulatedHosts:
             host.process.wait(timeout=10)
             _wait_until_empty(host.netns)
 
+    def partition(self, host: EmulatedHost, duration_s: float) -> None:
+        """Cut the host off for `duration_s`: its link goes down (every process lives on, unheard), then up."""
+        _ip("link", "set", host.veth, "down")
+        heal = threading.Timer(duration_s, self._heal, args=(host,))
+        heal.daemon = True
+        self._heals.append(heal)
+        heal.start()
+
+    def _heal(self, host: EmulatedHost) -> None:
+        _ip("link", "set", host.veth, "up", check=False)  # (the set may have been removed meanwhile)
+
     def host_of(self, pid: int) -> EmulatedHost | None:
         """The host whose network namespace process `pid` (of this machine's PID namespace) runs in, if any."""
         try:
@@ -134,6 +147,8 @@ class EmulatedHosts:
 
     def remove(self) -> None:
         """Kill every process of every host and delete the namespaces, links and bridge (idempotent)."""
+        for heal in self._heals:
+            heal.cancel()
         for host in self.hosts:
             if host.process is not None and host.process.poll() is None:
                 self.kill(host)

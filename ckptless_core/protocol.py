@@ -152,6 +152,14 @@ class HostHeartbeat:
 
 
 @dataclass(frozen=True)
+class CoordinatorHeartbeat:
+    """From the coordinator to every agent, every `heartbeat_interval_s`: it is there, so this host's lease holds.
+    An agent that hears none for `lease_s` while its workers commit nothing fences them (see `agent`)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """From a worker's side thread: the process lives (not that its training makes progress)."""
 
@@ -203,6 +211,16 @@ class SourceAnnounced:
     generation: int
 
 
+@dataclass(frozen=True)
+class Resent:
+    """Agent -> a coordinator it reconnected to: every report it holds was resent before this one (each worker's
+    start, readiness, latest progress and failure, and exit), so a worker of this host it did not name is gone."""
+
+    host: str
+    workers: list[str] = field(default_factory=list)
+    """Every worker this agent started, exited ones included."""
+
+
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
@@ -218,11 +236,13 @@ MESSAGES: dict[str, type] = {
         StopAt,
         Shutdown,
         HostHeartbeat,
+        CoordinatorHeartbeat,
         Heartbeat,
         Ready,
         Progress,
         FailureReport,
         SourceAnnounced,
+        Resent,
     )
 }
 WORKER_REPORTS = (Heartbeat, Ready, Progress, FailureReport, SourceAnnounced)
@@ -337,7 +357,8 @@ class Channel:
 
 
 def accept_channel(sock: socket.socket, *, secret: bytes, peer: str) -> Channel:
-    """Server side of the handshake on an accepted socket; ProtocolError if the client lacks the secret."""
+    """Server side of the handshake on an accepted socket; ProtocolError if the client lacks the secret (the
+    socket is closed then, so the client hears at once)."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         server_nonce = os.urandom(32)
@@ -345,16 +366,19 @@ def accept_channel(sock: socket.socket, *, secret: bytes, peer: str) -> Channel:
         answer = _read_exact(sock, 32 + _MAC_BYTES)
         client_nonce, proof = answer[:32], answer[32:]
         if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
+            sock.close()
             raise ProtocolError(f"{peer}: failed authentication (no or wrong job secret)")
         sock.sendall(_mac(secret, b"server", server_nonce, client_nonce))
     except (OSError, EOFError) as error:
+        sock.close()
         raise ProtocolError(f"{peer}: handshake failed: {error}") from None
     key = _mac(secret, b"session", server_nonce, client_nonce)
     return Channel(sock, session_key=key, is_server=True, peer=peer)
 
 
 def connect_channel(address: tuple[str, int], *, secret: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
-    """Client side: connect and prove the secret; ProtocolError if the server cannot prove it back."""
+    """Client side: connect and prove the secret; ProtocolError if the server cannot prove it back, TimeoutError if
+    nothing answers (a listening socket whose server is not running yet, or no longer)."""
     sock = socket.create_connection(address, timeout=timeout_s)
     try:
         greeting = _read_exact(sock, len(_GREETING) + 32)
@@ -364,6 +388,9 @@ def connect_channel(address: tuple[str, int], *, secret: bytes, timeout_s: float
         sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
         if not hmac.compare_digest(_read_exact(sock, _MAC_BYTES), _mac(secret, b"server", server_nonce, client_nonce)):
             raise ProtocolError(f"{address}: the server does not hold this job's secret")
+    except TimeoutError:
+        sock.close()
+        raise
     except (OSError, EOFError) as error:
         sock.close()
         raise ProtocolError(f"{address}: handshake failed: {error}") from None

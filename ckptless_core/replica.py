@@ -82,14 +82,9 @@ class Replica:
         self.fault_tolerant = fault_tolerant
         self.check_every = check_every
         self.events = events
-        # The c10d store serves only the process groups' rendezvous; control goes through the agent link.
-        self.store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            is_master=env.rank == 0 and not env.agent_store,
-            timeout=timedelta(seconds=max(collective_timeout_s, recovery_timeout_s)),
-            wait_for_workers=False,
-        )
+        # The c10d store serves only the process groups' rendezvous; control goes through the agent link. Under the
+        # coordinator, each join connects afresh: the store may have died and come back with a restarted coordinator.
+        self.store = None if env.supervised else self._connect_store()
         if fault_tolerant and not env.supervised:
             raise ValueError(
                 "fault tolerance needs the ckptless coordinator (python -m launcher, or ckptless_core.run)"
@@ -353,9 +348,20 @@ class Replica:
                 self._leave_process_group()
                 generation = self._wait_for_membership(newer_than=generation.number, timeout_s=self.recovery_timeout_s)
 
+    def _connect_store(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.env.master_addr,
+            self.env.master_port,
+            is_master=self.env.rank == 0 and not self.env.agent_store,
+            timeout=timedelta(seconds=max(self.collective_timeout_s, self.recovery_timeout_s)),
+            wait_for_workers=False,
+        )
+
     def _join(self, generation: Generation, *, detected_at: float) -> None:
         seen_at = time.time()
         self._leave_process_group()
+        if self.env.supervised:
+            self.store = self._connect_store()
         self._rendezvous(generation)
         dist.init_process_group(
             backend=self.backend,

@@ -14,7 +14,7 @@ import traceback
 
 def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, agent_pid: int, nice: int = 0) -> None:
     """Worker process body: never outlives its node agent, logs to its own file, then runs `module:function`."""
-    _exit_with_agent(agent_pid)
+    exit_with(agent_pid)
     if nice:
         os.nice(nice)  # a replacement spare builds at low priority, so it does not slow the job it will serve
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -50,8 +50,9 @@ def run_worker(*, entry: str, env: dict[str, str], log_path: str, threads: int, 
     sys.exit(code or 0)
 
 
-def _exit_with_agent(pid: int) -> None:
-    """SIGKILL this worker as soon as its node agent is gone, however it ended.
+def exit_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` is gone, however it ended: a worker with its node agent, a
+    local agent or coordinator with its launcher.
 
     The fork server's children keep its lifeline pipe open, so the fork server cannot take them down with it;
     each worker watches its agent itself (a pidfd on Linux, polling elsewhere).

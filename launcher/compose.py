@@ -23,9 +23,9 @@ CONFIG_MODULE = "configs"
 VALID_PRECISIONS = ("fp32", "bf16")
 VALID_BACKENDS = ("auto", "gloo", "nccl")
 CLUSTER_KINDS = ("local", "netns", "hosts")
-FAULT_KINDS_WITHOUT_RANK = ("chaos", "kill_sender", "kill_spare")
-"""Fault kinds whose target is chosen while the job runs (a random rank, the state sender, a spare), not by
-`fault.rank`; every other kind strikes the rank it names."""
+FAULT_KINDS_WITHOUT_RANK = ("chaos", "kill_sender", "kill_spare", "kill_coordinator")
+"""Fault kinds whose target is not a rank `fault.rank` names: chosen while the job runs (a random rank, the state
+sender, a spare) or not a worker (the coordinator); every other kind strikes the rank it names."""
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,16 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"ft.mtbf_s={ft.mtbf_s} must be positive (the job's expected time between failures)")
     if ft.mode == "checkpoint_restart":
         _validate_checkpoint_restart(job)
-    if min(ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s) <= 0:
-        raise ConfigError("ft.heartbeat_interval_s, ft.heartbeat_timeout_s and ft.recovery_timeout_s must be positive")
+    if ft.lease_s is not None and not 0 < ft.lease_s < ft.host_timeout_s:
+        raise ConfigError(
+            f"ft.lease_s={ft.lease_s} must be positive and below ft.host_timeout_s={ft.host_timeout_s}: a cut-off host "
+            "must fence itself before the coordinator gives its ranks to others (null: 3/4 of ft.host_timeout_s)"
+        )
+    if min(ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s, ft.coordinator_timeout_s) <= 0:
+        raise ConfigError(
+            "ft.heartbeat_interval_s, ft.heartbeat_timeout_s, ft.recovery_timeout_s and ft.coordinator_timeout_s "
+            "must be positive"
+        )
     if ft.heartbeat_timeout_s <= 2 * ft.heartbeat_interval_s:
         raise ConfigError("ft.heartbeat_timeout_s must exceed two heartbeat intervals (ft.heartbeat_interval_s)")
     nproc = job.cluster.nproc
@@ -179,8 +187,8 @@ def validate_fault_tolerance(job: JobConfig) -> None:
             event.check(max_steps=job.trainer.max_steps)
         except ValueError as error:
             raise ConfigError(f"{name}: {error} (trainer.max_steps={job.trainer.max_steps})") from None
-        if event.kind == "kill_host":
-            _validate_kill_host(job, name, event)
+        if event.kind in ("kill_host", "partition"):
+            _validate_host_fault(job, name, event)
         elif event.kind not in FAULT_KINDS_WITHOUT_RANK and not 0 <= event.rank < nproc:
             raise ConfigError(
                 f"{name}.rank={event.rank} is not a rank of this job: cluster.nproc={nproc} has ranks 0..{nproc - 1}; "
@@ -188,13 +196,16 @@ def validate_fault_tolerance(job: JobConfig) -> None:
             )
 
 
-def _validate_kill_host(job: JobConfig, name: str, event: FaultEvent) -> None:
+def _validate_host_fault(job: JobConfig, name: str, event: FaultEvent) -> None:
     cluster = job.cluster
     if cluster.kind != "netns":
+        what = "powers a host off" if event.kind == "kill_host" else "cuts a host's link"
         raise ConfigError(
-            f"{name}: kill_host powers a host off, which only emulated hosts allow: use cluster=netns "
+            f"{name}: {event.kind} {what}, which only emulated hosts allow: use cluster=netns "
             f"(this run is cluster={cluster.kind})"
         )
+    if event.kind == "partition" and job.ft.mode != "ckptless":
+        raise ConfigError(f"{name}: a partition is survived by ft=ckptless only (this run is ft={job.ft.mode})")
     if not 0 <= event.host < cluster.num_hosts:
         raise ConfigError(
             f"{name}.host={event.host} is not a training host: cluster.num_hosts={cluster.num_hosts} has hosts "
@@ -233,6 +244,11 @@ def _validate_checkpoint_restart(job: JobConfig) -> None:
         )
     allowed = ("kill_worker", "exception", "segfault", "hang", "chaos", "kill_host")
     for event in job.fault.events():
+        if event.kind == "kill_coordinator":
+            raise ConfigError(
+                "fault=kill_coordinator kills the ckptless coordinator, which ft=checkpoint_restart does not run "
+                "(torchrun's rendezvous is its control plane): use ft=ckptless"
+            )
         if event.kind not in allowed:
             raise ConfigError(
                 f"fault kind {event.kind!r} needs spares or a recovery in progress, which ft=checkpoint_restart does "

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ckptless_core.agent import config_sha256
-from ckptless_core.coordinator import Coordinator
+from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.events import read_events
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
 from ckptless_core.local_cluster import LocalCluster, NetnsCluster
@@ -29,7 +29,7 @@ SECRET_FILE = "control.secret"
 """In the run directory, mode 0600: the job's secret, for agents started on other hosts (`cluster=hosts`)."""
 
 
-def warm_up_workers(job: JobConfig) -> Coordinator | None:
+def warm_up_workers(job: JobConfig) -> CoordinatorProcess | None:
     """Start the coordinator and the node agent now: the agent's fork server imports (torch, transformers, the
     model's code) overlap the launcher's own checks, and every worker forked from it later starts without paying for
     them. (torchrun, for the checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of
@@ -37,11 +37,17 @@ def warm_up_workers(job: JobConfig) -> Coordinator | None:
     if job.ft.mode == "checkpoint_restart" or job.cluster.kind == "hosts":
         return None  # agents on real hosts join once the run directory (and its secret file) exists
     if job.cluster.kind == "netns":
-        return NetnsCluster(num_hosts=job.cluster.num_hosts + job.cluster.spare_hosts, preload=worker_preload(job))
-    return LocalCluster(preload=worker_preload(job))
+        return NetnsCluster(
+            num_hosts=job.cluster.num_hosts + job.cluster.spare_hosts,
+            preload=worker_preload(job),
+            start_timeout_s=job.cluster.start_timeout_s,
+        )
+    return LocalCluster(preload=worker_preload(job), start_timeout_s=job.cluster.start_timeout_s)
 
 
-def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, cluster: Coordinator | None) -> int:
+def run_local(
+    job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, cluster: CoordinatorProcess | None
+) -> int:
     """Run the job on this machine: under the ckptless coordinator, or under torchrun for `ft=checkpoint_restart`."""
     threads = threads_per_worker(job)
     if job.ft.mode == "checkpoint_restart":
@@ -116,13 +122,13 @@ def run_local(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, 
     return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
 
 
-def hosts_coordinator(job: JobConfig, *, run_dir: Path) -> Coordinator:
+def hosts_coordinator(job: JobConfig, *, run_dir: Path) -> CoordinatorProcess:
     """`cluster=hosts`: the coordinator binds `cluster.coordinator_address`; the job's secret goes to a file only its
     owner reads, before any agent starts; the command each host runs is printed."""
     secret = new_secret()
     secret_file = run_dir / SECRET_FILE
     write_secret_file(secret_file, secret)
-    coordinator = Coordinator(
+    coordinator = CoordinatorProcess(
         secret=secret, bind_address=job.cluster.coordinator_address, port=job.cluster.coordinator_port
     )
     address, port = coordinator.address
@@ -146,6 +152,8 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
         host_timeout_s=job.ft.host_timeout_s,
         stall_timeout_s=job.ft.stall_timeout_s,
         progress_deadline_s=job.ft.progress_deadline_s,
+        coordinator_timeout_s=job.ft.coordinator_timeout_s,
+        lease_s=job.ft.lease_s if job.ft.lease_s is not None else 0.75 * job.ft.host_timeout_s,
         on_no_spare=job.ft.on_no_spare,
         max_failures_without_progress=job.ft.max_failures_without_progress,
         world_sizes=tuple(
@@ -155,7 +163,7 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
 
 
 def _watch(
-    runner: Coordinator | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
+    runner: CoordinatorProcess | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
 ) -> JobOutcome | None:
     while (outcome := runner.poll()) is None and time.monotonic() < deadline:
         progress.update()
@@ -163,7 +171,7 @@ def _watch(
     return outcome
 
 
-def _stop_cleanly(runner: Coordinator | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+def _stop_cleanly(runner: CoordinatorProcess | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
     """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
     checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
     print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)

@@ -50,6 +50,7 @@ def build_summary(
         "final_world_size": final.get("world_size", world_size),
         "failures": failures(events),
         "recoveries": recoveries(events) if mode != "checkpoint_restart" else restarts(events),
+        "coordinator_restarts": coordinator_restarts(events),
         "exit_codes": outcome.exit_codes,
         "errors": errors,
         "provenance": {
@@ -99,11 +100,16 @@ def failures(events: list[dict]) -> list[dict]:
 def recoveries(events: list[dict]) -> list[dict]:
     """One entry per generation started by a failure, from the `recovery_phase` events: detect (failure to
     detection, by the coordinator), rebuild (the new generation's process group), transfer (agree on the step and
-    move state), replay (until the interrupted step is committed again); `time_to_recover_s` spans them all."""
+    move state), replay (until the interrupted step is committed again); `time_to_recover_s` spans them all. A
+    recovery completes in the first generation from its own on that replays, unless another failure came first (a
+    generation published again by a restarted coordinator continues it)."""
     phases = [e for e in events if e["event"] == "recovery_phase"]
+    detects = [e for e in phases if e["phase"] == "detect"]
+    replays = [e["generation"] for e in phases if e["phase"] == "replay"]
     result = []
-    for detect in (e for e in phases if e["phase"] == "detect"):
-        number = detect["generation"]
+    for detect, following in zip(detects, [*detects[1:], None], strict=False):
+        end = following["generation"] if following else float("inf")
+        number = min((g for g in replays if detect["generation"] <= g < end), default=detect["generation"])
         mine = {
             name: [e for e in phases if e["generation"] == number and e["phase"] == name]
             for name in ("rebuild", "transfer", "replay")
@@ -214,6 +220,28 @@ def _last_step(events: list[dict], *, attempt: int) -> int:
     )
 
 
+def coordinator_restarts(events: list[dict]) -> list[dict]:
+    """Each time the coordinator died and a fresh one took over: how long the job was without one (from the
+    launcher seeing it gone to the successor holding every agent again), what it died of, and the steps committed
+    meanwhile (training does not wait for it)."""
+    result = []
+    lost = [e for e in events if e["event"] == "coordinator_lost"]
+    for lost_event, next_lost in zip(lost, [*lost[1:], None], strict=False):
+        end = next_lost["t"] if next_lost else float("inf")
+        window = [e for e in events if lost_event["t"] <= e["t"] < end]
+        resumed = next((e for e in window if e["event"] == "coordinator_resumed"), None)
+        back = [e for e in window if e["event"] == "agent_resent"]
+        back_at = max((e["t"] for e in back), default=resumed["t"] if resumed else None)
+        entry = {"detail": lost_event["detail"], "completed": back_at is not None}
+        if back_at is not None:
+            entry["down_s"] = back_at - lost_event["t"]
+            entry["steps_committed_meanwhile"] = len(
+                {e["step"] for e in window if e["event"] == "step_committed" and e["t"] < back_at}
+            )
+        result.append(entry)
+    return result
+
+
 def describe_recoveries(summary: dict) -> list[str]:
     """A line or two per failure, for the console."""
     lines = []
@@ -232,6 +260,14 @@ def describe_recoveries(summary: dict) -> list[str]:
             )
         else:
             lines.append(f"recovery to generation {r['generation']} was superseded by another failure")
+    for r in summary.get("coordinator_restarts", []):
+        if r["completed"]:
+            lines.append(
+                f"coordinator restarted: {r['detail']}; a fresh one held every agent again after {r['down_s']:.2f} "
+                f"s, {r['steps_committed_meanwhile']} step(s) committed meanwhile"
+            )
+        else:
+            lines.append(f"coordinator lost: {r['detail']}; no successor took over")
     return lines
 
 

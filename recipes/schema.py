@@ -147,6 +147,14 @@ class FtConfig:
     """End the job (exit code 4) after this many failures in a row with no step committed in between."""
     recovery_timeout_s: float = 60.0
     """Longest wait for a new generation to form during recovery."""
+    lease_s: float | None = None
+    """A host that hears nothing from the coordinator this long while none of its workers commits a step is cut
+    off: its agent fences them itself (SIGKILL; nothing more reaches the run directory), before the coordinator
+    gives their ranks to others at `host_timeout_s`. Below `host_timeout_s`; null: 3/4 of it."""
+    coordinator_timeout_s: float = 30.0
+    """How long node agents keep their workers without a coordinator (it died and is being restarted: the
+    launcher restarts it in place); then they stop them and exit (code 3). Steps go on meanwhile; a failure in
+    that time is handled once it is back."""
     checkpoint_every: Union[int, str] = 0  # noqa: UP007 - OmegaConf reads `typing.Union`, not `int | str`
     """Write a disk checkpoint every this many steps; `auto`: the Young-Daly interval sqrt(2 x write cost x
     `mtbf_s`), from the measured write cost and step time; 0: no checkpoints. In `ckptless` mode they are written in

@@ -7,12 +7,16 @@ by a fresh one that joins as a spare host, as a cluster's scheduler replaces a f
 under the baseline, `ft=checkpoint_restart`: one torchrun per host in a c10d rendezvous, the lost host replaced by a
 fresh one, every worker restarted from the latest checkpoint (interval: Young-Daly for the schedule's MTBF). Then one
 run per place a rank can get stuck (`fault=stuck`, `where=compute` and `where=collective`) measures what a stuck
-rank costs. Every run is `python -m launcher ...`, as a user starts it.
+rank costs. Then the control plane: the coordinator SIGKILLed `--losses` times in one run (`fault=kill_coordinator`:
+the launcher restarts it in place, it resumes from its journal), and a host cut off `--losses` times
+(`fault=partition`: its link down for `--partition-s`; it fences itself, its ranks are replaced, and when it comes
+back it is refused and replaced by a fresh host). Every run is `python -m launcher ...`, as a user starts it.
 
-    python scripts/bench_hosts.py                        # 1500 steps, 5 host losses: ~17 min here
+    python scripts/bench_hosts.py                        # 1500 steps, 5 of each fault: ~25 min here
     python scripts/bench_hosts.py --steps 300 --losses 2 # quick check
 
-Targets: time lost per host loss at most `ft.host_timeout_s` + 1 s, and at least 20x less than the baseline's.
+Targets: time lost per host loss at most `ft.host_timeout_s` + 1 s, and at least 20x less than the baseline's; a
+coordinator restart loses no step, and steps go on at their usual pace while it is away.
 Writes bench_results/bench_hosts.json and .md.
 """
 
@@ -35,17 +39,43 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def loss_schedule(*, steps: int, losses: int, num_hosts: int, seed: int) -> list[dict]:
-    """`losses` host losses spread evenly over the run (each +-20 %, seeded), each of a seeded random host."""
+def loss_schedule(*, steps: int, losses: int, num_hosts: int, seed: int, kind: str = "kill_host") -> list[dict]:
+    """`losses` faults of `kind` spread evenly over the run (each +-20 %, seeded), each of a seeded random host
+    (none for `kill_coordinator`)."""
     rng = random.Random(seed)
     every = steps // (losses + 1)
+    schedule = []
+    for i in range(losses):
+        host = rng.randrange(num_hosts)
+        event = {"kind": kind, "step": every * (i + 1) + rng.randint(-every // 5, every // 5)}
+        schedule.append(event if kind == "kill_coordinator" else {**event, "host": host})
+    return schedule
+
+
+def step_times(run_dir: Path, windows: list[tuple[float, float]]) -> dict:
+    """Median time between rank 0's committed steps inside the `windows` (the coordinator away) and outside."""
+    events = [json.loads(line) for line in (run_dir / "events" / "worker0.jsonl").read_text().splitlines()]
+    commits = [e["t"] for e in events if e["event"] == "step_committed"]
+    inside, outside = [], []
+    for before, after in zip(commits, commits[1:], strict=False):
+        (inside if any(start <= after <= end for start, end in windows) else outside).append(after - before)
+    return {
+        "away_median_s": statistics.median(inside) if inside else None,
+        "normal_median_s": statistics.median(outside) if outside else None,
+        "steps_while_away": len(inside),
+    }
+
+
+def coordinator_windows(run_dir: Path) -> list[tuple[float, float]]:
+    """(coordinator seen gone, a successor holding every agent again) per restart, from the run's events."""
+    events = []
+    for path in (run_dir / "events").glob("*.jsonl"):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lost = sorted(e["t"] for e in events if e["event"] == "coordinator_lost")
+    back = sorted(e["t"] for e in events if e["event"] == "agent_resent")
+    ends = [*lost[1:], float("inf")]
     return [
-        {
-            "kind": "kill_host",
-            "host": rng.randrange(num_hosts),
-            "step": every * (i + 1) + rng.randint(-every // 5, every // 5),
-        }
-        for i in range(losses)
+        (start, max((t for t in back if start < t < end), default=start)) for start, end in zip(lost, ends, strict=True)
     ]
 
 
@@ -98,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cluster.collective_timeout_s of every run: the baseline's survivors wait at most this long for a lost "
         "host (NCCL's default is 600 s)",
     )
+    parser.add_argument("--partition-s", type=float, default=3.0, help="how long each partition lasts")
     parser.add_argument("--out", type=Path, default=REPO / "bench_results")
     options = parser.parse_args(argv)
     runs = options.out / "hosts_runs"
@@ -128,6 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         stuck[where] = launch(
             runs / f"stuck_{where}", *common, f"ft.stall_timeout_s={options.stall_timeout_s}", *fault_args([event])
         )
+    coordinator_schedule = loss_schedule(
+        steps=options.steps, losses=options.losses, num_hosts=2, seed=options.seed + 1, kind="kill_coordinator"
+    )
+    coordinator = launch(runs / "kill_coordinator", *common, "ft.spares=0", *fault_args(coordinator_schedule))
+    partitions = [
+        {**event, "duration_s": options.partition_s}
+        for event in loss_schedule(
+            steps=options.steps, losses=options.losses, num_hosts=2, seed=options.seed + 2, kind="partition"
+        )
+    ]
+    partitioned = launch(runs / "partition", *common, "ft.spares=0", *fault_args(partitions))
     lost = phases(faulty["recoveries"])
     baseline = phases(restarted["recoveries"])
     budget = options.host_timeout_s + 1.0
@@ -169,6 +211,23 @@ def main(argv: list[str] | None = None) -> int:
             "goodput": restarted.get("goodput"),
             "param_sha256_equal": restarted["param_sha256"] == reference["param_sha256"],
         },
+        "coordinator_restarts": {
+            "schedule": coordinator_schedule,
+            "restarts": len(coordinator["coordinator_restarts"]),
+            "down_s": [round(r["down_s"], 3) for r in coordinator["coordinator_restarts"] if r["completed"]],
+            "failures": len(coordinator["failures"]),
+            "steps_redone": sum(r.get("redone_steps") or 0 for r in coordinator["recoveries"]),
+            "step_time": step_times(runs / "kill_coordinator", coordinator_windows(runs / "kill_coordinator")),
+            "goodput": coordinator.get("goodput"),
+            "param_sha256_equal": coordinator["param_sha256"] == reference["param_sha256"],
+        },
+        "partitions": {
+            "schedule": partitions,
+            "failures": len(partitioned["failures"]),
+            "time_lost_median_by_phase_s": phases(partitioned["recoveries"]),
+            "goodput": partitioned.get("goodput"),
+            "param_sha256_equal": partitioned["param_sha256"] == reference["param_sha256"],
+        },
         "time_lost_ratio_baseline_to_ckptless": ratio,
         "goodput_ratio_ckptless_to_baseline": (
             faulty["goodput"] / restarted["goodput"] if faulty.get("goodput") and restarted.get("goodput") else None
@@ -193,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         (f"rank stuck in {w}", result["stuck"][w]["time_lost_s"], result["stuck"][w]["param_sha256_equal"])
         for w in stuck
     ]
+    rows.append(
+        (
+            f"host cut off {options.partition_s:.0f} s",
+            result["partitions"]["time_lost_median_by_phase_s"],
+            result["partitions"]["param_sha256_equal"],
+        )
+    )
     for name, p, equal in rows:
         cells = [
             f"{p[k]:.2f} s" if p[k] is not None else "-"
@@ -212,9 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         else "Time lost per host loss, checkpoint_restart / ckptless: not measured (a run did not recover).",
         f"Baseline: {result['baseline']['layout']}.",
     ]
+    restarts, pace = result["coordinator_restarts"], result["coordinator_restarts"]["step_time"]
+    lines += [
+        "",
+        f"Coordinator SIGKILLed {len(coordinator_schedule)} times (steps {[e['step'] for e in coordinator_schedule]}): "
+        f"{restarts['restarts']} restarts, away {restarts['down_s']} s each, {restarts['failures']} failures, "
+        f"{restarts['steps_redone']} steps redone, {pace['steps_while_away']} steps committed while it was away at "
+        f"{_ms(pace['away_median_s'])} per step (otherwise {_ms(pace['normal_median_s'])}); final hash = fault-free: "
+        f"{'yes' if restarts['param_sha256_equal'] else 'NO'}; goodput {restarts['goodput'] * 100:.1f} %.",
+    ]
     (options.out / "bench_hosts.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds is not None else "-"
 
 
 if __name__ == "__main__":

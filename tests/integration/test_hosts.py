@@ -106,28 +106,40 @@ def test_a_killed_worker_and_a_hung_one_on_emulated_hosts(run, fault_free):
     assert [f["detected_by"] for f in summary["failures"]] == ["process_exit", "heartbeat"]
 
 
-@needs_netns
-def test_two_hosts_lost_at_once_are_replaced_by_two_spare_hosts(run):
-    """3 training hosts, 2 spare hosts; hosts 1 and 2 go at the same instant: the second loss is found while the
-    recovery from the first forms, both ranks move to the spare hosts, and the state comes from host0 alone."""
-    three = ("trainer.global_batch_size=24", "ft.spares=0")
-    proc, run_dir = run("reference-3", *three, "cluster.nproc=3")
+THREE = ("trainer.global_batch_size=24", "ft.spares=0")
+
+
+@pytest.fixture(scope="module")
+def fault_free_three(run):
+    """The hash of a fault-free run of 3 data-parallel workers on one host."""
+    proc, run_dir = run("reference-3", *THREE, "cluster.nproc=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    expected = read_summary(run_dir)["param_sha256"]
+    return read_summary(run_dir)["param_sha256"]
+
+
+@needs_netns
+@pytest.mark.parametrize("second", ["at_once", "during_recovery"])
+def test_two_hosts_lost_are_replaced_by_two_spare_hosts(run, fault_free_three, second):
+    """3 training hosts, 2 spare hosts. `at_once`: hosts 1 and 2 go at the same instant, so the second loss is
+    found while the recovery from the first forms; `during_recovery`: host 2 goes while the generation that replaces
+    host 1 forms. Both ranks move to the spare hosts, and the state comes from host0 alone."""
+    where = "recovery" if second == "during_recovery" else "compute"
     proc, run_dir = run(
-        "two-hosts",
+        f"two-hosts-{second}",
         *NETNS,
-        *three,
+        *THREE,
         "cluster.num_hosts=3",
         "cluster.spare_hosts=2",
         "fault=kill_host",
         "fault.host=1",
         f"fault.step={FAULT_STEP}",
-        f"fault.more=[{{kind:kill_host,host:2,step:{FAULT_STEP}}}]",
+        f"fault.more=[{{kind:kill_host,host:2,step:{FAULT_STEP},where:{where}}}]",
     )
-    summary = assert_recovered(proc, run_dir, expected_hash=expected, failures=2)
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free_three, failures=2)
     assert {f["kind"] for f in summary["failures"]} == {"host_lost"}
     assert summary["final_world_size"] == 3
+    lost = [e for e in read_events(run_dir / "events") if e["event"] == "host_lost"]
+    assert sorted(e["host"] for e in lost) == ["host1", "host2"]
 
 
 @needs_netns
@@ -201,6 +213,39 @@ def test_checkpoint_restart_across_hosts_replaces_a_lost_host_and_restarts_every
     events = read_events(run_dir / "events")
     started = [e["host"] for e in events if e["event"] == "torchrun_started"]
     assert started == ["host0", "host1", "host2"]  # host2 replaced the lost host1
+
+
+@needs_netns
+def test_a_killed_coordinator_on_emulated_hosts_costs_no_step(run, fault_free):
+    proc, run_dir = run("kill-coordinator", *NETNS, "fault=kill_coordinator", f"fault.step={FAULT_STEP}")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=0)
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["completed"] and restart["steps_committed_meanwhile"] >= 0
+    resent = {e["host"] for e in read_events(run_dir / "events") if e["event"] == "agent_resent"}
+    assert resent == {"host0", "host1", "host2"}  # every agent kept its workers and came back
+
+
+@needs_netns
+def test_a_partitioned_host_fences_itself_is_replaced_and_refused_when_it_heals(run, fault_free):
+    proc, run_dir = run(
+        "partition", *NETNS, "fault=partition", "fault.host=1", f"fault.step={FAULT_STEP}", "fault.duration_s=2.5"
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free, failures=1)
+    assert summary["failures"][0]["detected_by"] == "host_timeout"
+    events = read_events(run_dir / "events")
+    (fenced,) = [e for e in events if e["event"] == "self_fenced"]
+    (lost,) = [e for e in events if e["event"] == "host_lost" and e["host"] == "host1"]
+    assert fenced["worker"] == "agent-host1" and fenced["t"] < lost["t"]  # before its ranks went to others
+    cut_off = [name for name, host in hosts_of_workers(run_dir).items() if host == "host1"]
+    assert cut_off
+    for name in cut_off:
+        # Nothing reached the run directory from its workers after the fence (10 ms: the file clock is coarse).
+        for path in (run_dir / "events" / f"{name}.jsonl", run_dir / "logs" / f"{name}.log"):
+            assert path.stat().st_mtime <= fenced["t"] + 0.01, path
+        assert all(e["step"] <= FAULT_STEP for e in events if e["event"] == "step_committed" and e["worker"] == name)
+    # Once the link healed, its agent came back and was told to exit: its workers' state is stale.
+    refused = [e for e in events if e["event"] == "agent_refused"]
+    assert [(e["worker"], e.get("host")) for e in refused] == [("coordinator", "host1"), ("agent-host1", None)]
 
 
 @needs_netns

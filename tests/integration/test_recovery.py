@@ -354,3 +354,64 @@ def test_checkpoint_restart_with_auto_interval_recovers_an_exception(run, fault_
     # The exception lands in the step in progress when the signal arrives (FAULT_STEP, or the next one).
     assert recovery["loaded_step"] == 0 and recovery["interrupted_step"] >= FAULT_STEP
     assert recovery["redone_steps"] == recovery["interrupted_step"] - 1
+
+
+def coordinator_events(run_dir) -> dict[str, list[dict]]:
+    events = read_events(run_dir / "events")
+    kinds = ("coordinator_lost", "coordinator_restarted", "coordinator_resumed", "agent_resent", "fault_injected")
+    return {kind: [e for e in events if e["event"] == kind] for kind in kinds}
+
+
+def test_a_killed_coordinator_is_restarted_from_its_journal_and_no_step_is_lost(run, fault_free):
+    proc, run_dir = run("kill-coordinator", *TWO, "fault=kill_coordinator", f"fault.step={FAULT_STEP}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["param_sha256"] == fault_free(TWO)
+    assert summary["failures"] == [] and summary["recoveries"] == []  # the workers never noticed
+    events = coordinator_events(run_dir)
+    assert [e["exit_code"] for e in events["coordinator_lost"]] == [-9]
+    assert len(events["coordinator_restarted"]) == len(events["coordinator_resumed"]) == 1
+    assert events["agent_resent"][0]["workers"] == ["worker0", "worker1", "worker2"]
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["completed"] and "SIGKILL" in restart["detail"]
+    # The new coordinator took over the same port: the workers' store and the agent's channel came back there.
+    started = [e for e in read_events(run_dir / "events") if e["event"] == "coordinator_started"]
+    assert started[0]["pid"] != events["coordinator_resumed"][0]["pid"]
+    assert "coordinator restarted" in proc.stdout
+
+
+def test_a_worker_killed_while_the_coordinator_is_down_is_replaced_once_it_is_back(run, fault_free):
+    # Both strike at once; the worker's kill is delivered first, then the coordinator dies before hearing of it.
+    proc, run_dir = run(
+        "kill-while-down",
+        *TWO,
+        "fault=kill_worker",
+        "fault.rank=1",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_coordinator,step:{FAULT_STEP}}}]",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert summary["failures"][0]["rank"] == 1
+    events = coordinator_events(run_dir)
+    (resumed,) = events["coordinator_resumed"]
+    (detected,) = [e for e in read_events(run_dir / "events") if e["event"] == "failure_detected"]
+    assert detected["t"] > resumed["t"]  # seen by the restarted coordinator, from what the agent kept
+
+
+def test_a_coordinator_killed_in_the_middle_of_a_recovery(run, fault_free):
+    proc, run_dir = run(
+        "coordinator-in-recovery",
+        *TWO,
+        "fault=kill_worker",
+        "fault.rank=1",
+        f"fault.step={FAULT_STEP}",
+        f"fault.more=[{{kind:kill_coordinator,where:recovery,step:{FAULT_STEP}}}]",
+    )
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(TWO), failures=1)
+    assert len(summary["coordinator_restarts"]) == 1
+    killed = next(e for e in coordinator_events(run_dir)["fault_injected"] if e["kind"] == "kill_coordinator")
+    assert killed["generation"] == 2  # it died with generation 2 forming
+    # Whichever way the forming generation went (formed on the new store, or published again under a new number
+    # because its rendezvous keys died with the old store), the recovery completes once.
+    assert [r["completed"] for r in summary["recoveries"]] == [True]

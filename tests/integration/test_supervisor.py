@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,3 +128,42 @@ def test_preemption_stops_cleanly_with_a_final_checkpoint_and_the_run_resumes(tm
     assert steps == list(range(stopped_at + 1, stopped_at + 6))
     skipped = [e for e in read_events(tmp_path / "resumed" / "events") if e["event"] == "checkpoint_skipped"]
     assert skipped and {e["path"] for e in skipped} == {str(damaged)}
+
+
+def test_agents_without_a_coordinator_for_its_timeout_stop_their_workers_at_a_step_boundary(tmp_path, token_cache):
+    """An agent started by hand (`cluster=hosts`) outlives the launcher and its coordinator, both SIGKILLed: its
+    workers train on while it tries to reconnect; after `ft.coordinator_timeout_s` they stop together at a step
+    boundary, writing the final checkpoint, and the agent exits with code 3 saying why."""
+    run_dir = tmp_path / "run"
+    overrides = (
+        "cluster=hosts",
+        "cluster.num_hosts=1",
+        "cluster.nproc_per_host=2",
+        "ft.spares=0",
+        "ft.checkpoint_every=1000",
+    )
+    launcher = start_launcher(run_dir, token_cache, *overrides, "ft.coordinator_timeout_s=3")
+    agent = None
+    try:
+        lines = [launcher.stdout.readline()]
+        while "--coordinator" not in lines[-1]:
+            lines.append(launcher.stdout.readline())
+            assert lines[-1], "".join(lines)
+        coordinator = re.search(r"--coordinator (\S+)", lines[-1]).group(1)
+        command = [sys.executable, "-m", "ckptless_core.agent", "--coordinator", coordinator, "--host", "node0"]
+        command += ["--secret-file", str(run_dir / "control.secret"), "--run-dir", str(run_dir)]
+        env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache)}
+        agent = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        pids = wait_for(lambda: training_workers(run_dir), timeout_s=120, what="training to start")
+        launcher.kill()
+        assert agent.wait(timeout=60) == 3
+        assert "no coordinator for 3 s (ft.coordinator_timeout_s)" in agent.stderr.read()
+    finally:
+        launcher.kill()
+        if agent is not None:
+            agent.kill()
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=15, what="workers to stop")
+    stopped = [e for e in read_events(run_dir / "events") if e["event"] == "stopped"]
+    assert len(stopped) == 2 and len({e["step"] for e in stopped}) == 1  # together, at one step boundary
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))
+    assert [c.name for c in checkpoints] == [f"step_{stopped[0]['step']:08d}.safetensors"]

@@ -48,8 +48,9 @@ def test_tiny_llama_trains_and_the_loss_halves(tiny_llama_run):
 def test_run_directory_holds_what_users_read(tiny_llama_run):
     _, run_dir = tiny_llama_run
     assert (run_dir / "config.yaml").is_file()
-    # Two workers and the hot spare (ft.spares=1 by default).
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["worker0.log", "worker1.log", "worker2.log"]
+    # The coordinator, two workers and the hot spare (ft.spares=1 by default).
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert logs == ["coordinator.log", "worker0.log", "worker1.log", "worker2.log"]
     for path in (run_dir / "events").glob("*.jsonl"):
         for line in path.read_text().splitlines():
             event = json.loads(line)

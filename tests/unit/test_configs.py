@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import torch
 
-from ckptless_core.faults import KINDS
+from ckptless_core.faults import HOST_KINDS, KINDS
 from launcher.compose import FAULT_KINDS_WITHOUT_RANK, compose_job, recipe_launch_line, validate
 from launcher.errors import ConfigError
 from launcher.plan import build_plan
@@ -176,7 +176,7 @@ def test_optimizer_values_at_the_edges_of_their_ranges_compose():
     assert compose_job(["recipe=tiny_llama", "optim.min_lr_ratio=0"]).job.optim.min_lr_ratio == 0.0
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in (*FAULT_KINDS_WITHOUT_RANK, "kill_host")])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in (*FAULT_KINDS_WITHOUT_RANK, *HOST_KINDS)])
 @pytest.mark.parametrize("rank", [2, -1])
 def test_a_fault_at_a_rank_the_job_lacks_is_refused_for_every_kind_that_takes_a_rank(kind, rank):
     overrides = ["recipe=tiny_llama", "cluster.nproc=2", f"fault.kind={kind}", f"fault.rank={rank}", "fault.step=1"]
@@ -240,6 +240,16 @@ def test_cluster_sizes_have_one_set_of_names():
         (["cluster.kind=moon"], "cluster.kind='moon'"),
         (["fault=kill_host"], "use cluster=netns"),
         (["fault=stuck", "fault.where=disk"], "fault.where='disk'"),
+        (["fault=partition"], "use cluster=netns"),
+        (["cluster=netns", "fault=partition", "fault.duration_s=0"], "fault.duration_s=0"),
+        (["cluster=netns", "fault=partition", "ft=none"], "ft=ckptless only"),
+        (["fault=kill_coordinator", "fault.where=disk"], "fault.where='disk'"),
+        (
+            ["fault=kill_coordinator", "ft=checkpoint_restart", "ft.spares=0", "ft.checkpoint_every=5"],
+            "use ft=ckptless",
+        ),
+        (["ft.lease_s=3"], "below ft.host_timeout_s=2.0"),
+        (["ft.coordinator_timeout_s=0"], "ft.coordinator_timeout_s must be positive"),
     ],
 )
 def test_impossible_clusters_and_host_faults_are_refused(overrides, field):

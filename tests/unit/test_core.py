@@ -480,3 +480,62 @@ def test_chaos_strikes_the_same_ranks_at_the_same_times_whatever_the_worker_name
     assert under_supervisor == under_torchrun and len(under_supervisor) > 5
     assert under_supervisor[0][0] > 0  # the clock starts with training, not before
     assert chaos_strikes({"worker0": 0, "worker1": 1}, seed=4) != under_torchrun
+
+
+def test_the_coordinators_own_death_strikes_last_and_a_fired_fault_never_again():
+    members = {"worker0": 0, "worker1": 1}
+    events = [FaultEvent(kind="kill_coordinator", step=5), FaultEvent(kind="kill_worker", rank=1, step=5)]
+    injector = FaultInjector(events)
+
+    def due(progress: int, *, recovering: bool = False):
+        return injector.due(
+            now=0.0,
+            members=members,
+            progress=dict.fromkeys(members, progress),
+            spares=[],
+            recovering=recovering,
+            sender=None,
+        )
+
+    assert due(3) == []
+    strikes = due(4)
+    assert [s.worker for s in strikes] == ["worker1", "coordinator"]  # the kill reaches its agent first
+    # A restarted coordinator reads the fired faults in its journal: they do not strike again.
+    again = FaultInjector(events)
+    for strike in strikes:
+        again.fired(strike.event)
+    assert not again.active
+    during_recovery = FaultInjector([FaultEvent(kind="kill_coordinator", step=5, where="recovery")])
+    assert (
+        during_recovery.due(
+            now=0.0, members=members, progress=dict.fromkeys(members, 9), spares=[], recovering=False, sender=None
+        )
+        == []
+    )
+    assert [
+        s.worker
+        for s in during_recovery.due(
+            now=0.0, members=members, progress=dict.fromkeys(members, 9), spares=[], recovering=True, sender=None
+        )
+    ] == ["coordinator"]
+
+
+def test_a_job_spec_and_an_outcome_survive_the_file_a_restarted_coordinator_reads(tmp_path):
+    from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
+
+    spec = JobSpec(
+        entry="recipes.pretrain:main",
+        nproc=2,
+        run_dir=tmp_path,
+        preload=["torch"],
+        ft=FaultToleranceSpec(enabled=True, spares=1, world_sizes=(1, 2), lease_s=0.7),
+        faults=[FaultEvent(kind="partition", host=1, step=3, duration_s=2.5)],
+        num_hosts=2,
+        spare_hosts=1,
+    )
+    spec.save(tmp_path / "spec.json")
+    assert JobSpec.load(tmp_path / "spec.json") == spec
+    outcome = JobOutcome(ok=False, exit_codes={"worker0": -9}, message="lost", reason="failed")
+    outcome.save(tmp_path / "outcome.json")
+    assert JobOutcome.load(tmp_path / "outcome.json") == outcome
+    assert not list(tmp_path.glob("*.partial"))

@@ -190,3 +190,12 @@ def test_a_rank_behind_is_blamed_and_ranks_done_are_not():
         "w2": _at(4, "collective_done", received_at=3.5),
     }
     assert blame_stalled(positions, now=10.0, stall_timeout_s=5.0) == ["w1"]
+
+
+def test_what_an_agent_resends_to_a_restarted_coordinator_round_trips():
+    from ckptless_core.protocol import CoordinatorHeartbeat, Resent
+
+    for message in (Resent(host="node0", workers=["worker0", "worker3"]), CoordinatorHeartbeat(generation=4)):
+        assert decode(encode(message)) == message
+    with pytest.raises(ProtocolError, match="Resent.workers"):
+        decode(b'{"type": "Resent", "host": "node0", "workers": [1]}')
