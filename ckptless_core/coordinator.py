@@ -714,15 +714,19 @@ class Coordinator:
         self._publish(Generation(number=number, members=members, reason=reason, store_prefix=new_store_prefix(number)))
 
     def _wait_for_spares(self, members: dict[str, int], vacant: list[int]) -> JobOutcome | None:
-        """ft.on_no_spare=wait: start replacements and hold the job until they are ready (bounded)."""
+        """ft.on_no_spare=wait: hold the job until spares fill the vacant ranks (bounded). Spares still starting
+        count: a replacement is started for each vacancy beyond them (and for one that dies while starting)."""
         deadline = time.monotonic() + self.spec.store_timeout_s
-        for _ in vacant:
-            self._start_worker(self._spare_host() or min(self.hosts, key=self._live_processes), spare=True)
+        started: list[str] = []
         while time.monotonic() < deadline:
+            for _ in vacant[len(self._spares()) :]:
+                host = self._spare_host() or min(self.hosts, key=self._live_processes)
+                started.append(self._start_worker(host, spare=True))
             ready = self._ready_spares()
             if len(ready) >= len(vacant):
                 for rank, spare in zip(vacant, ready, strict=False):
                     members[spare] = rank
+                    self.spares_owed += spare not in started  # one of the job's spares: replaced afterwards
                     self.events.emit("spare_promoted", worker_name=spare, promoted_rank=rank)
                 self._publish_next(members, reason="failure")
                 return None

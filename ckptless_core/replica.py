@@ -363,6 +363,10 @@ class Replica:
         if self.env.supervised:
             self.store = self._connect_store()
         self._rendezvous(generation)
+        # The default group's store keys are named after a per-process counter that only a successful
+        # destroy_process_group resets: after a join whose init failed (a member lost while the group connected),
+        # this rank would wait on keys its peers never write, in every later generation.
+        dist.distributed_c10d._world.group_count = 0
         dist.init_process_group(
             backend=self.backend,
             store=dist.PrefixStore(generation.store_prefix, self.store),

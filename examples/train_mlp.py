@@ -1,9 +1,12 @@
 """A plain PyTorch training script (no Hugging Face, no Hydra) protected by ckptless: the lines marked `# ckptless`
 are all it takes. Run it with the project's torchrun-like runner, and kill a worker on the way:
 
-    python -m ckptless_core.run --nproc 2 --spares 1 --fault kill_worker:1:30 examples/train_mlp.py --steps 60
+    python -m ckptless_core.run --nproc 2 --spares 1 --on-no-spare wait --fault kill_worker:1:30 \
+        examples/train_mlp.py --steps 60
 
-The final parameter hash it prints is the same as without the fault.
+The final parameter hash it prints is the same as without the fault: the spare takes the lost rank (`wait` holds the
+job for it if it is still starting; the default, `shrink`, would go on with one rank, whose whole-batch steps round
+differently in the last bits).
 """
 
 import argparse
