@@ -118,6 +118,9 @@ class Agent:
         self.inbox: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.slots: dict[str, int] = {}
+        """Each live worker's slot on this host (its LOCAL_RANK: the device it binds); a replacement takes the lowest
+        free one, so spares get devices of their own and a freed device is used again."""
         self.links: dict[str, Channel] = {}
         self.generation = Generation()
         self.stop_at: StopAt | None = None
@@ -234,6 +237,7 @@ class Agent:
             "CKPTLESS_AGENT_PORT": str(self.listener.getsockname()[1]),
             "CKPTLESS_SECRET": self.secret.hex(),
             "CKPTLESS_HOST": self.host,
+            "LOCAL_RANK": str(self._free_slot(order.worker)),
         }
         if self.ifname:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = self.ifname
@@ -253,6 +257,11 @@ class Agent:
         process.start()
         self.processes[order.worker] = process
         self._send(WorkerStarted(worker=order.worker, pid=process.pid, spare=order.spare))
+
+    def _free_slot(self, worker: str) -> int:
+        taken = set(self.slots.values())
+        self.slots[worker] = next(slot for slot in range(len(taken) + 1) if slot not in taken)
+        return self.slots[worker]
 
     def _lease_expired(self) -> bool:
         """Connected, yet silent for `lease_s`, while this host's members of the generation commit nothing."""
@@ -287,6 +296,7 @@ class Agent:
 
     def _report_exit(self, name: str) -> None:
         process = self.processes.pop(name, None)
+        self.slots.pop(name, None)
         if process is None:
             return
         process.join(timeout=1.0)

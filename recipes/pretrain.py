@@ -253,6 +253,7 @@ def main(config_path: str | None = None) -> int:
     events.emit(
         "worker_start",
         pid=os.getpid(),
+        local_rank=env.local_rank,
         threads=torch.get_num_threads(),
         restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )

@@ -85,6 +85,10 @@ def test_a_killed_worker_is_replaced_by_the_spare_and_the_run_is_bitwise_unchang
     # The supervisor started a new spare after the promotion.
     started = [e for e in read_events(run_dir / "events") if e["event"] == "worker_started"]
     assert len(started) == 4
+    # Each worker binds its agent's lowest free slot (LOCAL_RANK, its device): the spare one of its own, the new
+    # spare the slot the killed worker freed.
+    slots = {e["worker"]: e["local_rank"] for e in read_events(run_dir / "events") if e["event"] == "worker_start"}
+    assert slots == {"worker0": 0, "worker1": 1, "worker2": 2, "worker3": 1}
 
 
 def test_an_exception_in_forward_is_recovered_in_place_without_a_spare(run, fault_free):
