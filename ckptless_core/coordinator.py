@@ -30,6 +30,7 @@ from ckptless_core.events import EventLog
 from ckptless_core.faults import HOST_KINDS, FaultEvent, FaultInjector, signal_name
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR, JobOutcome, JobSpec, describe_exit
 from ckptless_core.journal import Journal, journal_path, read_journal
+from ckptless_core.layout import Layout
 from ckptless_core.protocol import (
     PROTOCOL_VERSION,
     ChannelClosed,
@@ -694,6 +695,7 @@ class Coordinator:
             self._ready_spares(),
             on_no_spare=self.ft.on_no_spare,
             largest_size=self._largest_size,
+            layout=Layout(self.ft.shard),
         )
         for spare, rank in plan.promoted.items():
             self.spares_owed += 1
@@ -845,7 +847,9 @@ class Coordinator:
         return [n for n in self._spares() if self.workers[n].ready]
 
     def _can_run_at(self, world_size: int) -> bool:
-        return world_size >= 1 and (not self.ft.world_sizes or world_size in self.ft.world_sizes)
+        if not Layout(self.ft.shard).can_run_at(world_size):
+            return False
+        return not self.ft.world_sizes or world_size in self.ft.world_sizes
 
     def exit_codes(self) -> dict[str, int | None]:
         return {name: w.exit_code for name, w in self.workers.items()}

@@ -24,7 +24,9 @@ class FaultToleranceSpec:
     max_failures_without_progress: int = 3
     """End the job when this many failures follow each other with no step committed in between."""
     world_sizes: tuple[int, ...] = ()
-    """World sizes the job can run at (the global batch must divide); empty: any."""
+    """World sizes the job can run at (the global batch must divide, into whole replica groups); empty: any."""
+    shard: int = 1
+    """Ranks one copy of the state is sharded over (`layout.Layout`): a shrink keeps whole replica groups."""
     settle_s: float = 0.3
     """How long a reported collective error waits for a process failure that explains it."""
     host_timeout_s: float = 2.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckptless_core.layout import FULL_REPLICAS, Layout
+
 
 @dataclass(frozen=True)
 class Replacement:
@@ -32,10 +34,12 @@ def replace_lost(
     *,
     on_no_spare: str,
     largest_size: Callable[[int], int],
+    layout: Layout = FULL_REPLICAS,
 ) -> Replacement:
     """Ready spares take the lost workers' ranks, lowest rank first. If spares run short, `on_no_spare` decides:
-    `fail` ends the job, `wait` holds it for new spares, `shrink` keeps the lowest ranks at the largest world size
-    the job can run at (`largest_size(at_most)`, 0: none, which ends the job too)."""
+    `fail` ends the job, `wait` holds it for new spares, `shrink` keeps whole replica groups at the largest world
+    size the job can run at (`largest_size(at_most)`, 0: none, which ends the job too): every survivor kept holds
+    the same slice of the state as before (`Layout.keep_slices`; with full replicas, the lowest ranks)."""
     members = dict(members)
     vacant = sorted(members.pop(name) for name in lost)
     promoted = dict(zip(ready_spares, vacant, strict=False))
@@ -43,12 +47,13 @@ def replace_lost(
     vacant = vacant[len(promoted) :]
     if not vacant:
         return Replacement(members, promoted)
-    size = largest_size(len(members))
+    holders = [sum(layout.shard_index(r) == index for r in members.values()) for index in range(layout.shard)]
+    size = largest_size(min(holders) * layout.shard)
     if on_no_spare == "fail" or (on_no_spare == "shrink" and not size):
         reason = f"no spare left to replace rank(s) {vacant} (ft.on_no_spare={on_no_spare})"
         return Replacement(members, promoted, vacant, abandon=reason)
     if on_no_spare == "wait":
         return Replacement(members, promoted, vacant, wait=True)
-    survivors = [name for name, _ in sorted(members.items(), key=lambda kv: kv[1])]
-    kept = {name: rank for rank, name in enumerate(survivors[:size])}
-    return Replacement(kept, promoted, vacant, shrunk_to=size, demoted=survivors[size:])
+    kept = layout.keep_slices(members, size // layout.shard)
+    demoted = [name for name, _ in sorted(members.items(), key=lambda kv: kv[1]) if name not in kept]
+    return Replacement(kept, promoted, vacant, shrunk_to=size, demoted=demoted)

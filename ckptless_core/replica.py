@@ -29,6 +29,7 @@ from ckptless_core.agent_link import AgentLink
 from ckptless_core.checkpoint import load_latest_checkpoint
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
+from ckptless_core.layout import FULL_REPLICAS, Layout
 from ckptless_core.protocol import FailureReport, Generation, Progress, Ready, SourceAnnounced
 from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, synchronize_state
 
@@ -74,8 +75,10 @@ class Replica:
         events: EventLog,
         fault_tolerant: bool = True,
         check_every: int = 0,
+        layout: Layout = FULL_REPLICAS,
     ) -> None:
         self.env = env
+        self.layout = layout
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.recovery_timeout_s = recovery_timeout_s
@@ -98,6 +101,12 @@ class Replica:
         """Optimizer steps committed; moves with the state."""
         self.valid = True
         """Whether this rank's state may be trusted as a source (False for a new spare or after a torn update)."""
+        self.held_slice: int | None = None
+        """The shard index whose slice of the state `tensors` hold (`layout`); None: all of it (not sharded yet)."""
+        self.reshard: Callable[[], dict[str, torch.Tensor]] | None = None
+        """Called once a generation's process group exists, before its state is synchronized: shards the model
+        over the new group (keeping this rank's slice) and returns the new state tensors (see `attach`). Needed
+        where the model holds process groups itself (FSDP2); None keeps the attached tensors."""
         self.interrupted_step = 0
         """The (1-based) step in progress when the last failure was noticed; replay ends when it commits."""
         self.replay: tuple[int, float] | None = None
@@ -202,20 +211,31 @@ class Replica:
                     self._recover(error)
             return result
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the generation's ranks, bounded by the collective timeout; a failure is a PeerFailure.
-
-        The main thread waits in short slices, renewing its `collective_waiting` marker (so the coordinator can tell
-        a rank waiting here from one whose main thread is stuck) and giving up at once when a new generation exists
-        (a peer lost without a connection reset would otherwise hold this rank for the whole timeout)."""
+    def all_reduce(self, tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> None:
+        """Sum `tensor` over the generation's ranks (or over `group`, one made from this generation's), bounded by
+        the collective timeout; a failure is a PeerFailure. See `collective`."""
         self._mark("collective_entered")
         for hook in self.collective_hooks:
             hook()
-        if self.world_size == 1:
-            self._mark("collective_done")
-            return
-        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), what="all-reduce")
+        if (group.size() if group is not None else self.world_size) > 1:
+            self.collective(
+                "all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            )
         self._mark("collective_done")
+
+    def collective(self, what: str, issue: Callable[[], dist.Work]) -> None:
+        """Run a collective that `issue()` starts (with `async_op=True`) and wait for it: a failure, at the start or
+        while waiting, is a PeerFailure. The main thread waits in short slices, renewing its `collective_waiting`
+        marker (so the coordinator can tell a rank waiting here from one whose main thread is stuck) and giving up
+        at once when a new generation exists (a peer lost without a connection reset would otherwise hold this
+        rank for the whole timeout, and a peer that left for the new generation would never answer)."""
+        if self._superseded():
+            raise GenerationChanged(f"generation {self.generation.number} ended before the {what}")
+        try:
+            work = issue()
+        except RuntimeError as error:
+            raise PeerFailure(f"{what} failed in generation {self.generation.number}: {error}") from None
+        self._wait(work, what=what)
 
     def _wait(self, work, *, what: str) -> None:
         """Wait for `work` in slices of WAIT_SLICE_S (a slice that times out leaves the work intact, and a wait
@@ -268,10 +288,11 @@ class Replica:
             self.link.send(message)
 
     def _verify_replicas(self, *, step: int) -> None:
-        """Compare a cheap fingerprint (float64 sum of every state tensor, bit for bit) across the replicas. The
-        value most ranks hold wins (ties: the lowest rank's); a rank holding another is marked untrusted, so the
-        recovery that follows gives it a healthy peer's copy instead of letting it train on corrupt state."""
-        if self.world_size == 1:
+        """Compare a cheap fingerprint (float64 sum of every state tensor, bit for bit) across the copies of each
+        slice of the state. The value most copies hold wins (ties: the lowest rank's); a rank holding another is
+        marked untrusted, so the recovery that follows gives it a healthy copy instead of letting it train on
+        corrupt state."""
+        if self.world_size == self.layout.shard:  # one copy: nothing to compare it with
             return
         total = torch.stack([t.detach().double().sum().cpu() for t in self.tensors.values()]).sum()
         mine = total.reshape(1).view(torch.int64)  # compared bit for bit
@@ -281,11 +302,15 @@ class Replica:
         except RuntimeError as error:
             raise PeerFailure(f"replica check failed in generation {self.generation.number}: {error}") from None
         values = [int(v) for v in everyone]
-        majority = max(values, key=lambda v: (values.count(v), -values.index(v)))
-        if len(set(values)) > 1:
-            outliers = [rank for rank, value in enumerate(values) if value != majority]
+        outliers = []
+        for index in range(self.layout.shard):  # each slice against its own copies
+            ranks = [r for r in range(self.world_size) if self.layout.shard_index(r) == index]
+            copies = [values[r] for r in ranks]
+            majority = max(copies, key=lambda v: (copies.count(v), -copies.index(v)))
+            outliers += [r for r in ranks if values[r] != majority]
+        if outliers:
             self.events.emit("divergence_detected", step=step, outlier_ranks=outliers)
-            self.valid = values[self.rank] == majority
+            self.valid = self.rank not in outliers
             raise ReplicaDivergence(f"replica checksums disagree after step {step}: ranks {outliers} differ")
 
     @contextlib.contextmanager
@@ -376,25 +401,35 @@ class Replica:
         )
         self.generation = generation
         self.events.rank = self.rank
+        reshard_s = 0.0
+        if self.reshard is not None:
+            started = time.perf_counter()
+            self.tensors = self.reshard()
+            reshard_s = time.perf_counter() - started
         rebuilt_at = time.time()
+        index = self.layout.shard_index(self.rank)
+        # A slice is only ever trusted for the shard index it was trained as: equal-shaped slices never swap.
+        valid = self.valid and self.held_slice in (None, index)
 
         def announce(source: int) -> None:
             if generation.number > 1 and self.rank == source:
                 self._send(SourceAnnounced(worker=self.env.worker, generation=generation.number))
 
         try:
-            result = synchronize_state(self.tensors, step=self.step, valid=self.valid, announce=announce)
+            result = synchronize_state(self.tensors, step=self.step, valid=valid, layout=self.layout, announce=announce)
         except IntegrityError:
             raise
         except NoHealthyReplica as error:
             result = self._restore_from_checkpoint(error)
         except RuntimeError as error:
             raise PeerFailure(f"state transfer failed in generation {generation.number}: {error}") from None
-        self.step, self.valid = result.step, True
+        self.step, self.valid, self.held_slice = result.step, True, index
         synced_at = time.time()
         # Under torchrun a later generation is a restarted job, not a recovery: the launcher reports those.
         if generation.number > 1 and self.env.supervised:
-            self._phase("rebuild", started_at=seen_at, ended_at=rebuilt_at, detected_at=detected_at)
+            self._phase(
+                "rebuild", started_at=seen_at, ended_at=rebuilt_at, detected_at=detected_at, reshard_s=reshard_s
+            )
             self._phase(
                 "transfer",
                 started_at=rebuilt_at,
@@ -484,10 +519,12 @@ class Replica:
         wait for threads still blocked on a lost peer; it is released once that work has ended (the peer's socket
         closed or the collective timed out)."""
         if dist.is_initialized():
-            group = dist.distributed_c10d._get_default_group()
-            with contextlib.suppress(Exception):
-                group.abort()
-            _PARKED.append((group, self._pending))
+            # The default group and every group made from it (a device mesh's): all of this generation's.
+            groups = list(dist.distributed_c10d._world.pg_map)
+            for group in groups:
+                with contextlib.suppress(Exception):
+                    group.abort()
+            _PARKED.append((groups, self._pending))
             self._pending = []
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

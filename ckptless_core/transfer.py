@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ckptless_core.layout import FULL_REPLICAS, Layout
 
 
 class NoHealthyReplica(RuntimeError):
@@ -36,10 +39,12 @@ class TransferResult:
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Everything that defines the training state as named tensors, in a fixed order: the model's parameters and
-    buffers (tied tensors once), then the optimizer's per-parameter state."""
+    buffers (tied tensors once), then the optimizer's per-parameter state. Of a sharded tensor (FSDP2), this rank's
+    slice: the local tensor, in place."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=False).items():
+        tensor = _local(tensor)
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
@@ -48,8 +53,12 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     for param, param_state in optimizer.state.items():
         for key in sorted(param_state):
             if isinstance(param_state[key], torch.Tensor):
-                tensors[f"optim/{index[id(param)]}/{key}"] = param_state[key]
+                tensors[f"optim/{index[id(param)]}/{key}"] = _local(param_state[key])
     return tensors
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -85,33 +94,50 @@ def checksum(tensors: dict[str, torch.Tensor], *, step: int) -> int:
     return _int63(digest)
 
 
-def synchronize_state(tensors: dict[str, torch.Tensor], *, step: int, valid: bool, announce=None) -> TransferResult:
+def synchronize_state(
+    tensors: dict[str, torch.Tensor],
+    *,
+    step: int,
+    valid: bool,
+    layout: Layout = FULL_REPLICAS,
+    announce=None,
+) -> TransferResult:
     """Collective over the current process group: agree on the state to keep, then move it to ranks that lack it.
 
-    `valid` is False for a rank whose state is not to be trusted (a new spare, a rank interrupted inside its
-    optimizer step). The reference is the lowest rank among those holding the highest step with valid state.
-    `announce(source_rank)` is called on every rank once the source is known (for events and fault injection).
+    Each rank holds its shard index's slice of the state (`layout`; with full replicas every rank holds all of
+    it). `valid` is False for a rank whose slice is not to be trusted (a new spare, a rank interrupted inside its
+    optimizer step, a rank whose slice is not the one its new rank holds). The target is the highest step at which
+    every slice has a valid holder; for each slice the reference is the lowest such rank, and it sends to the
+    ranks of its slice that are not at the target. `announce(source_rank)` is called on every rank once the
+    source of its own slice is known (for events and fault injection).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([step, int(valid), layout_fingerprint(tensors)], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     infos = [tuple(int(x) for x in info) for info in everyone]
-    if len({fingerprint for _, _, fingerprint in infos}) != 1:
-        raise IntegrityError("ranks hold different state layouts (model or optimizer built differently)")
-    holders = [(s, r) for r, (s, v, _) in enumerate(infos) if v]
-    if not holders:
-        raise NoHealthyReplica("no rank of this generation holds a valid copy of the training state")
-    target = max(s for s, _ in holders)
-    source = min(r for s, r in holders if s == target)
-    receivers = tuple(r for r, (s, v, _) in enumerate(infos) if not v or s < target)
+    slices = [[r for r in range(world) if layout.shard_index(r) == index] for index in range(layout.shard)]
+    for ranks in slices:
+        if len({infos[r][2] for r in ranks}) != 1:
+            raise IntegrityError("ranks hold different state layouts (model or optimizer built differently)")
+    held = [{infos[r][0] for r in ranks if infos[r][1]} for ranks in slices]
+    common = set.intersection(*held)
+    if not common:
+        if not all(held):
+            raise NoHealthyReplica("no rank of this generation holds a valid copy of some slice of the training state")
+        raise NoHealthyReplica(f"no step at which every slice of the state has a valid copy (held: {held})")
+    target = max(common)
+    sources = [min(r for r in ranks if infos[r][1] and infos[r][0] == target) for ranks in slices]
+    receivers = tuple(r for r, (s, v, _) in enumerate(infos) if not v or s != target)
+    source = sources[layout.shard_index(rank)]
     if announce is not None:
         announce(source)
     ok = torch.ones(1, dtype=torch.int64)
     bytes_moved = 0
-    if receivers and rank == source:
+    if rank in sources:
         for receiver in receivers:
-            bytes_moved += _send(tensors, step=target, to=receiver)
+            if sources[layout.shard_index(receiver)] == rank:
+                bytes_moved += _send(tensors, step=target, to=receiver)
     elif rank in receivers:
         if not _receive(tensors, step=target, source=source):
             ok.zero_()

@@ -157,8 +157,11 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
         on_no_spare=job.ft.on_no_spare,
         max_failures_without_progress=job.ft.max_failures_without_progress,
         world_sizes=tuple(
-            w for w in range(1, job.cluster.nproc + 1) if job.trainer.global_batch_size % (w * per_rank) == 0
+            w
+            for w in range(1, job.cluster.nproc + 1)
+            if job.trainer.global_batch_size % (w * per_rank) == 0 and w % job.parallel.shard == 0
         ),
+        shard=job.parallel.shard,
     )
 
 

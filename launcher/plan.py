@@ -12,6 +12,7 @@ import torch
 from launcher.errors import ConfigError
 from launcher.torchrun import torchrun_command
 from recipes.model import build_model
+from recipes.parallel import check_shardable
 from recipes.schema import JobConfig
 
 GIB = 1024**3
@@ -33,7 +34,7 @@ class Plan:
     """Parameters used per token: MoE experts scaled by experts-per-token / experts; the input embedding excluded
     (a lookup, not compute), the unembedding included."""
     weights_bytes: int
-    """Per rank: the full replica of the weights (data parallelism)."""
+    """Per rank: its slice of the weights (all of them with full replicas)."""
     grads_bytes: int
     """Per rank: gradients."""
     optimizer_bytes: int
@@ -46,6 +47,8 @@ class Plan:
     """Micro-batches per worker per step."""
     nproc: int
     """Data-parallel workers."""
+    shard: int = 1
+    """Ranks each copy of the state is sharded over."""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -55,7 +58,12 @@ class Plan:
 def build_plan(job: JobConfig) -> Plan:
     """Builds the model on the meta device (no memory) and derives what each rank would hold."""
     model = build_model(job.model, device="meta")
+    shard = job.parallel.shard
+    if shard > 1:
+        check_shardable(model, shard)
     total = sum(p.numel() for p in model.parameters())
+    # The largest slice any rank holds: FSDP2 cuts each parameter's first dimension into `shard` parts, padded.
+    per_rank = sum(-(-p.shape[0] // shard) * (p.numel() // max(p.shape[0], 1)) for p in model.parameters())
     config = model.config
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -70,13 +78,14 @@ def build_plan(job: JobConfig) -> Plan:
         architecture=type(model).__name__,
         total_params=total,
         active_params=total - experts_inactive - input_embedding,
-        weights_bytes=total * WEIGHT_BYTES,
-        grads_bytes=total * GRAD_BYTES,
-        optimizer_bytes=total * ADAM_BYTES,
+        weights_bytes=per_rank * WEIGHT_BYTES,
+        grads_bytes=per_rank * GRAD_BYTES,
+        optimizer_bytes=per_rank * ADAM_BYTES,
         activations_bytes=_activation_bytes(job, config),
         tokens_per_step=trainer.global_batch_size * job.data.seq_len,
         grad_accum_steps=trainer.global_batch_size // (job.cluster.nproc * trainer.micro_batch_size),
         nproc=job.cluster.nproc,
+        shard=shard,
     )
 
 
@@ -154,7 +163,7 @@ def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> st
         ("recipe", f"{recipe} ({plan.architecture})"),
         ("parameters", f"{plan.total_params:,} total; {plan.active_params:,} active per token"),
         ("", "(active: experts scaled by experts per token, unembedding counted, input embedding not)"),
-        ("layout", f"data parallel, {plan.nproc} full replicas ({job.cluster.kind} cluster)"),
+        ("layout", _layout_line(job, plan)),
         (
             "per rank",
             f"{_gib(plan.per_rank_bytes)} = weights {_gib(plan.weights_bytes)} + grads "
@@ -173,6 +182,15 @@ def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> st
     lines.append("     workers")
     lines += [f"    {command}" for command in worker_commands(job, run_dir=run_dir)]
     return "\n".join(lines)
+
+
+def _layout_line(job: JobConfig, plan: Plan) -> str:
+    if plan.shard == 1:
+        return f"data parallel, {plan.nproc} full replicas ({job.cluster.kind} cluster)"
+    return (
+        f"HSDP: {plan.nproc // plan.shard} replica group(s) x {plan.shard} shards (FSDP2), each rank holds 1/"
+        f"{plan.shard} of the state ({job.cluster.kind} cluster)"
+    )
 
 
 def _gib(num_bytes: int) -> str:

@@ -126,7 +126,10 @@ def recoveries(events: list[dict]) -> list[dict]:
                 "transfer_s": max(e["duration_s"] for e in mine["transfer"]),
                 "replay_s": max(e["duration_s"] for e in mine["replay"]),
                 "bytes_moved": sum(e["bytes_moved"] for e in mine["transfer"]),
-                "source_rank": mine["transfer"][0]["source"],
+                # The ranks that sent: one per slice of the state whose holder was replaced (sharded), or the one
+                # reference (full replicas; the first rank's view when nobody needed anything).
+                "source_ranks": sorted({e["source"] for e in mine["transfer"] if e["bytes_moved"]})
+                or [mine["transfer"][0]["source"]],
                 "redone_steps": detect["interrupted_step"] - 1 - mine["transfer"][0]["step"],
                 "world_size": len(mine["transfer"]),
                 "time_to_recover_s": max(e["t"] for e in mine["replay"]) - detect["failed_at"],
@@ -165,7 +168,7 @@ def restarts(events: list[dict]) -> list[dict]:
                 "transfer_s": transfer_s,
                 "replay_s": min(redo) - resumed_at,
                 "bytes_moved": 0,
-                "source_rank": -1,
+                "source_ranks": [],
                 "world_size": len(starts),
                 "time_to_recover_s": min(redo) - cause["t"],
                 "loaded_step": starts[0]["step"],
@@ -277,8 +280,9 @@ def _state_source(recovery: dict) -> str:
             f"torchrun restarted every worker; checkpoint of step {recovery['loaded_step']} loaded, "
             f"{recovery['redone_steps']} step(s) redone)"
         )
-    if recovery["source_rank"] >= 0:
-        return f"{recovery['bytes_moved'] / 1e6:.1f} MB moved from rank {recovery['source_rank']})"
+    if recovery["source_ranks"] != [-1]:  # -1: every rank loaded the disk checkpoint
+        ranks = ", ".join(str(rank) for rank in recovery["source_ranks"])
+        return f"{recovery['bytes_moved'] / 1e6:.1f} MB moved from rank {ranks})"
     return "no healthy peer held the state: loaded the latest disk checkpoint)"
 
 

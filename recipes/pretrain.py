@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
@@ -28,6 +29,7 @@ from ckptless_core.events import EventLog
 from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
+from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica, StopRequested, TrainingCodeError
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors
@@ -35,6 +37,15 @@ from recipes.data import TokenSampler, check_data_config, prepare_token_file, ra
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model
 from recipes.optim import build_optimizer, set_lr
+from recipes.parallel import (
+    clip_grads,
+    copy_local_state,
+    copy_optimizer_state,
+    device_mesh,
+    full_state_dict,
+    grad_norm,
+    shard_model,
+)
 from recipes.schema import JobConfig, load_config
 from recipes.tokenizer import build_tokenizer
 
@@ -80,66 +91,115 @@ def micro_batches(job: JobConfig, *, rank: int, world_size: int) -> list[list[in
 
 @dataclass
 class TrainState:
-    """What a worker trains: model, optimizer, and the flat gradient buffer. The step lives in the `Replica`."""
+    """What a worker trains: model, optimizer, and (full replicas) the flat gradient buffer the replicas sum; a
+    sharded model's gradients are reduced by FSDP2 instead. The step lives in the `Replica`."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    grads: FlatGradients
+    grads: FlatGradients | None
+    shard_group: dist.ProcessGroup | None = None
+    """Sharded: the ranks of this rank's replica group (the gradient norm sums over them)."""
 
 
 def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
-    """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it."""
+    """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
+    model to be sharded is built whole here too, and sharded once the first generation's ranks are known."""
     torch.manual_seed(job.seed)
     model = build_model(job.model, device=device)
     model.train()
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
-    return TrainState(model=model, optimizer=optimizer, grads=FlatGradients(model.parameters()))
+    grads = FlatGradients(model.parameters()) if job.parallel.shard == 1 else None
+    return TrainState(model=model, optimizer=optimizer, grads=grads)
+
+
+def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
+    """Shard a fresh model and optimizer over the current generation's ranks (built on the meta device, then
+    allocated) and copy this rank's slice of the current ones in: from a whole model (the first generation)
+    its shard index's slice, from a sharded one its local shards (see `recipes.parallel`)."""
+    device = next(state.model.parameters()).device
+    mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=device.type)
+    model = build_model(job.model, device="meta")
+    model.train()
+    shard_model(model, mesh, replica)
+    model.to_empty(device=device)
+    copy_local_state(state.model, model)
+    optimizer = build_optimizer(model, job.optim)
+    materialize_optimizer_state(optimizer)
+    copy_optimizer_state(state.optimizer, optimizer)
+    state.model, state.optimizer, state.shard_group = model, optimizer, mesh["shard"].get_group()
 
 
 def train_step(state: TrainState, step: int, *, replica: Replica, sampler: TokenSampler, job: JobConfig) -> dict:
     """One optimizer step (0-based `step`) over this rank's micro-batches; a pure function of the state, the step
     and the rank, so a replayed step is the same step."""
     torch.manual_seed((job.seed * 1_000_003 + step) * 1_009 + replica.rank)
-    device = state.grads.buffer.device
+    device = next(state.model.parameters()).device
     global_tokens = job.trainer.global_batch_size * job.data.seq_len
-    state.grads.zero()
+    if state.grads is not None:
+        state.grads.zero()
+    else:
+        state.optimizer.zero_grad(set_to_none=True)
+    loss = torch.zeros((), device=device)
     for indices in micro_batches(job, rank=replica.rank, world_size=replica.world_size):
         batch = sampler.batch(step, indices).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
             logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        (loss_sum / global_tokens).backward()
-        state.grads.scalars[0] += loss_sum.detach() / global_tokens
-    replica.all_reduce(state.grads.buffer)
+        (loss_sum / global_tokens).backward()  # a sharded model reduce-scatters its gradients here (FSDP2)
+        loss += loss_sum.detach() / global_tokens
+    if state.grads is not None:  # full replicas: the loss rides with the gradients in one all-reduce
+        state.grads.scalars[0] += loss
+        replica.all_reduce(state.grads.buffer)
+        loss = state.grads.scalars[0]
+    else:
+        replica.all_reduce(loss)
+    norm = None
+    if job.trainer.grad_clip_norm > 0:  # before the critical section: sharded, it is a collective
+        norm = grad_norm(state.model, replica, shard_group=state.shard_group)
     with replica.critical_section():
-        grad_norm = _clip(state.model, job.trainer.grad_clip_norm)
+        if norm is not None:
+            clip_grads(state.model, job.trainer.grad_clip_norm, norm)
         lr = set_lr(state.optimizer, job.optim, step=step, max_steps=job.trainer.max_steps)
         state.optimizer.step()
-    return {"loss": state.grads.scalars[0].item(), "lr": lr, "grad_norm": grad_norm}
+    return {"loss": loss.item(), "lr": lr, "grad_norm": float("nan") if norm is None else norm.item()}
 
 
 def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None:
     """One forward and backward on the first micro-batch, then the gradients cleared: a hot spare does this before
     it waits, so the step it replays when promoted does not pay first-call costs (allocations, lazy initialization).
     Parameters and optimizer state are untouched."""
-    device = state.grads.buffer.device
+    device = next(state.model.parameters()).device
     batch = sampler.batch(0, micro_batches(job, rank=0, world_size=1)[0]).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
         logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
     F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
-    state.grads.zero()
+    if state.grads is not None:
+        state.grads.zero()
+    state.model.zero_grad(set_to_none=True)
 
 
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
     state = build_train_state(job, device=device)
-    install_fault_handlers(state.model, faults=job.fault.events(), replica=replica)
-    replica.interrupt_compute_on_new_generation(state.model)
+
+    def instrument(model: torch.nn.Module) -> None:
+        install_fault_handlers(model, faults=job.fault.events(), replica=replica)
+        replica.interrupt_compute_on_new_generation(model)
+
+    instrument(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
     if replica.env.spare:
         warm_up(state, sampler=sampler, job=job)
     replica.attach(state_tensors(state.model, state.optimizer))
+    if job.parallel.shard > 1:
+
+        def reshard() -> dict[str, torch.Tensor]:
+            reshard_train_state(state, job, replica=replica)
+            instrument(state.model)
+            return state_tensors(state.model, state.optimizer)
+
+        replica.reshard = reshard
     replica.checkpoint_dir = run_dir / "checkpoints"
     checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
     started = time.perf_counter()
@@ -187,7 +247,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
         metrics.close()
         if checkpoints is not None:
             checkpoints.wait()
-    weights = state.model.state_dict()
+    weights = full_state_dict(state.model)
     digest = param_sha256(weights)
     if replica.rank == 0:
         _save_weights(weights, run_dir / "model.safetensors")
@@ -227,12 +287,6 @@ def _since(started: float) -> float:
     return time.perf_counter() - started
 
 
-def _clip(model: torch.nn.Module, max_norm: float) -> float:
-    if max_norm <= 0:
-        return float("nan")
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True).item()
-
-
 def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """Atomic: a crash leaves either no file or a complete one. Tied tensors are stored under every key."""
     tmp = path.with_suffix(".tmp")
@@ -269,6 +323,7 @@ def main(config_path: str | None = None) -> int:
             check_every=job.ft.check_every,
             events=events,
             fault_tolerant=job.ft.mode == "ckptless" and env.supervised,
+            layout=Layout(job.parallel.shard),
         )
         train(job, replica, run_dir=run_dir, events=events)
         failed = False

@@ -94,6 +94,15 @@ class OptimConfig:
 
 
 @dataclass
+class ParallelConfig:
+    shard: int = 1
+    """Ranks each copy of the model and optimizer state is sharded over (FSDP2 `fully_shard` on every decoder
+    block, then the root); 1: every rank holds a full replica."""
+    replicate: int | None = None  # noqa: UP007 - OmegaConf reads `typing.Optional`
+    """Copies of the state (replica groups); `cluster.nproc` = `shard` x `replicate`. Null: `nproc / shard`."""
+
+
+@dataclass
 class ClusterConfig:
     kind: str = "local"
     """Where workers run: `local` (one host: this machine), `netns` (emulated hosts on this machine, each its own
@@ -203,6 +212,7 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ft: FtConfig = field(default_factory=FtConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 

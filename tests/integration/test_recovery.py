@@ -11,6 +11,7 @@ import pytest
 
 from ckptless_core.events import read_events
 from launcher.summary import with_attempts
+from recipes.schema import load_config
 from tests.conftest import read_summary
 
 STEPS = 24
@@ -419,3 +420,33 @@ def test_a_coordinator_killed_in_the_middle_of_a_recovery(run, fault_free):
     # Whichever way the forming generation went (formed on the new store, or published again under a new number
     # because its rendezvous keys died with the old store), the recovery completes once.
     assert [r["completed"] for r in summary["recoveries"]] == [True]
+
+
+SHARDED = (*FOUR, "parallel.shard=2")
+"""Two replica groups of two shards (HSDP): ranks 0 and 2 hold shard 0 of the state, ranks 1 and 3 shard 1."""
+
+
+def test_a_killed_sharded_worker_gets_its_slice_from_the_same_shard_of_the_other_group(run, fault_free):
+    proc, run_dir = run("sharded-kill", *SHARDED, "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}")
+    summary = assert_recovered(proc, run_dir, expected_hash=fault_free(SHARDED), failures=1)
+    recovery = summary["recoveries"][0]
+    assert recovery["source_ranks"] == [3]  # the only other holder of shard 1; survivors keep their own slices
+    transfers = [e for e in read_events(run_dir / "events") if e.get("phase") == "transfer"]
+    assert {e["rank"]: e["bytes_moved"] > 0 for e in transfers} == {0: False, 1: False, 2: False, 3: True}
+    assert all(e["receivers"] == [1] for e in transfers)
+    rebuilds = [e for e in read_events(run_dir / "events") if e.get("phase") == "rebuild"]
+    assert all(e["reshard_s"] > 0 for e in rebuilds)  # each rank re-sharded its model over the new group
+
+
+def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(run, fault_free):
+    proc, run_dir = run(
+        "sharded-shrink", *SHARDED, "ft.spares=0", "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS and summary["final_world_size"] == 2
+    shrunk = next(e for e in read_events(run_dir / "events") if e["event"] == "job_shrunk")
+    assert shrunk["demoted"] == ["worker2"]  # worker3 holds shard 1 and stays, as rank 1
+    fault_free(SHARDED)
+    reference = [r for r in run_dir.parent.glob("reference-*") if load_config(r / "config.yaml").parallel.shard == 2]
+    assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)

@@ -256,3 +256,35 @@ def test_impossible_clusters_and_host_faults_are_refused(overrides, field):
     with pytest.raises(ConfigError) as error:
         compose_job(["recipe=tiny_llama", *overrides])
     assert field in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["parallel.shard=3"], "does not divide cluster.nproc=2"),
+        (["parallel.shard=0"], "parallel.shard=0 must be at least 1"),
+        (
+            ["cluster.nproc=4", "trainer.micro_batch_size=4", "parallel.shard=2", "parallel.replicate=3"],
+            "parallel.replicate=3 = 6",
+        ),
+        (["parallel.shard=2", "ft.checkpoint_every=5"], "disk checkpoints of sharded state"),
+    ],
+)
+def test_impossible_layouts_are_refused_when_composing(overrides, field):
+    with pytest.raises(ConfigError) as error:
+        compose_job(["recipe=tiny_llama", *overrides])
+    assert field in str(error.value)
+
+
+def test_the_replica_groups_are_derived_from_the_shard_count():
+    job = compose_job(["recipe=tiny_llama", "cluster.nproc=4", "trainer.micro_batch_size=4", "parallel.shard=2"]).job
+    assert (job.parallel.shard, job.parallel.replicate) == (2, 2)
+
+
+def test_a_shard_count_larger_than_a_parameter_is_refused_by_the_plan():
+    job = compose_job(
+        ["recipe=tiny_llama", "cluster.nproc=256", "trainer.global_batch_size=256", "trainer.micro_batch_size=1"]
+    ).job
+    job.parallel.shard = 256  # more shards than the 64 rows of tiny_llama's key and value projections
+    with pytest.raises(ValueError, match=r"parallel.shard=256 is more than .*k_proj.* can be split into .*at most 64"):
+        build_plan(job)

@@ -140,3 +140,13 @@ def test_worker_commands_use_the_configured_threads_per_worker(tmp_path):
     for command in worker_commands(job, run_dir=tmp_path, master_port=29_512):
         env, _ = parse_command(command)
         assert env["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_sharded_rank_holds_its_slice_of_weights_gradients_and_optimizer_state():
+    _, whole = plan_for("recipe=tiny_llama", "cluster.nproc=4", "trainer.micro_batch_size=4")
+    _, sharded = plan_for("recipe=tiny_llama", "cluster.nproc=4", "trainer.micro_batch_size=4", "parallel.shard=4")
+    state = lambda plan: plan.weights_bytes + plan.grads_bytes + plan.optimizer_bytes  # noqa: E731
+    # The 257-row embedding and unembedding are cut into 65 + 64 + 64 + 64 rows: the largest slice is 65.
+    assert state(sharded) == 16 * (tiny_llama_param_count() - 2 * 257 * 128) // 4 + 16 * 2 * 65 * 128
+    assert state(sharded) < state(whole) / 3.9
+    assert sharded.activations_bytes == whole.activations_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ckptless_core.layout import Layout
 from ckptless_core.replacement import Replacement, replace_lost
 
 FOUR = {"w0": 0, "w1": 1, "w2": 2, "w3": 3}
@@ -49,3 +50,17 @@ def test_shrink_keeps_the_lowest_ranks_at_the_largest_size_the_job_can_run_at():
 def test_shrink_ends_the_job_when_no_size_is_left():
     plan = replace_lost({"w0": 0, "w1": 1}, ["w0"], [], on_no_spare="shrink", largest_size=lambda at_most: 0)
     assert plan.abandon and plan.vacant == [0]
+
+
+def test_a_sharded_shrink_keeps_every_survivor_on_the_slice_it_holds():
+    # 2 replica groups x 2 shards; rank 1 (group 0, shard 1) lost without a spare: one group is left, and its
+    # shard 1 is rank 3's slice (w3), not w2's, which holds shard 0 like w0.
+    layout = Layout(shard=2)
+    plan = replace_lost(FOUR, ["w1"], [], on_no_spare="shrink", largest_size=any_size, layout=layout)
+    assert plan.members == {"w0": 0, "w3": 1} and plan.shrunk_to == 2 and plan.demoted == ["w2"]
+    assert all(layout.shard_index(FOUR[name]) == layout.shard_index(rank) for name, rank in plan.members.items())
+
+
+def test_a_sharded_shrink_with_a_slice_lost_everywhere_ends_the_job():
+    plan = replace_lost(FOUR, ["w1", "w3"], [], on_no_spare="shrink", largest_size=any_size, layout=Layout(shard=2))
+    assert plan.abandon and plan.vacant == [1, 3]
