@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 
 KINDS = (
     "kill_worker",
@@ -229,8 +230,9 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
-        with torch.no_grad():
-            next(module.parameters()).view(-1)[0] += 1.0
+        parameter = next(module.parameters())
+        with torch.no_grad():  # of a sharded parameter, this rank's slice
+            (parameter.to_local() if isinstance(parameter, DTensor) else parameter).view(-1)[0] += 1.0
 
     def raise_if_requested(mod, args) -> None:
         if requested["exception"]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ckptless_core.agent_link import AgentLink
 from ckptless_core.checkpoint import load_latest_checkpoint
+from ckptless_core.checksum import state_checksum
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
 from ckptless_core.layout import FULL_REPLICAS, Layout
@@ -288,14 +289,13 @@ class Replica:
             self.link.send(message)
 
     def _verify_replicas(self, *, step: int) -> None:
-        """Compare a cheap fingerprint (float64 sum of every state tensor, bit for bit) across the copies of each
-        slice of the state. The value most copies hold wins (ties: the lowest rank's); a rank holding another is
+        """Compare the state's checksum (`checksum.state_checksum`, on the device: it catches flipped bits and
+        swapped elements) across the copies of each slice of the state. The value most copies hold wins (ties: the lowest rank's); a rank holding another is
         marked untrusted, so the recovery that follows gives it a healthy copy instead of letting it train on
         corrupt state."""
         if self.world_size == self.layout.shard:  # one copy: nothing to compare it with
             return
-        total = torch.stack([t.detach().double().sum().cpu() for t in self.tensors.values()]).sum()
-        mine = total.reshape(1).view(torch.int64)  # compared bit for bit
+        mine = torch.tensor([state_checksum(self.tensors.values())], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(everyone, mine)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ckptless_core.checksum import fold, state_checksum, tensor_sums
 from ckptless_core.layout import FULL_REPLICAS, Layout
 
 
@@ -87,11 +88,8 @@ def layout_fingerprint(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def checksum(tensors: dict[str, torch.Tensor], *, step: int) -> int:
-    """SHA-256 of the step and every tensor's bytes, folded to a signed 63-bit integer (sent as an int64)."""
-    digest = hashlib.sha256(str(step).encode())
-    for tensor in tensors.values():
-        digest.update(_raw(tensor).cpu().numpy())
-    return _int63(digest)
+    """The state's identity: the step and every tensor's bytes (`state_checksum`, on the tensors' device)."""
+    return state_checksum(tensors.values(), salt=step)
 
 
 def synchronize_state(
@@ -128,18 +126,20 @@ def synchronize_state(
         raise NoHealthyReplica(f"no step at which every slice of the state has a valid copy (held: {held})")
     target = max(common)
     sources = [min(r for r in ranks if infos[r][1] and infos[r][0] == target) for ranks in slices]
+    # Slices are told apart in the identity check too: a receiver only ever accepts its own shard index's state.
     receivers = tuple(r for r, (s, v, _) in enumerate(infos) if not v or s != target)
     source = sources[layout.shard_index(rank)]
     if announce is not None:
         announce(source)
     ok = torch.ones(1, dtype=torch.int64)
     bytes_moved = 0
+    identity = target * layout.shard + layout.shard_index(rank)
     if rank in sources:
-        for receiver in receivers:
-            if sources[layout.shard_index(receiver)] == rank:
-                bytes_moved += _send(tensors, step=target, to=receiver)
+        mine = [r for r in receivers if sources[layout.shard_index(r)] == rank]
+        for receiver in mine:
+            bytes_moved += _send(tensors, step=target, identity=identity, to=receiver)
     elif rank in receivers:
-        if not _receive(tensors, step=target, source=source):
+        if not _receive(tensors, step=target, identity=identity, source=source):
             ok.zero_()
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not int(ok):
@@ -149,36 +149,38 @@ def synchronize_state(
 
 BUCKET_BYTES = 4 * 2**20
 """State moves in buckets of about this size: neighbouring small tensors packed into one message, a bigger tensor
-alone and without a copy. Up to IN_FLIGHT buckets are on the wire at once, so packing and checksumming on the sender
-and checksumming and unpacking on the receiver overlap with the transfer."""
+alone and without a copy. Up to IN_FLIGHT buckets are on the wire at once, so packing on the sender and unpacking
+on the receiver overlap with the transfer."""
 
 IN_FLIGHT = 4
 
 
-def _send(tensors: dict[str, torch.Tensor], *, step: int, to: int) -> int:
-    """Send every bucket to rank `to`, then the step and the checksum of all bytes sent (computed as they go)."""
-    digest = hashlib.sha256(str(step).encode())
+def _send(tensors: dict[str, torch.Tensor], *, step: int, identity: int, to: int) -> int:
+    """Send every bucket to rank `to`, then the step and the checksum of the state sent (summed while the buckets
+    are on the wire)."""
     in_flight: list = []
+    sums: list[torch.Tensor] = []
     sent = 0
     for bucket in _buckets(tensors):
         flat = _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
-        digest.update(flat.cpu().numpy())
         in_flight.append(dist.isend(flat, to))
+        sums += [tensor_sums(tensor) for tensor in bucket]
         sent += flat.numel()
         if len(in_flight) == IN_FLIGHT:
             in_flight.pop(0).wait()
     for request in in_flight:
         request.wait()
-    dist.send(torch.tensor([step, _int63(digest)], dtype=torch.int64), to)
+    dist.send(torch.tensor([step, fold(sums, salt=identity)], dtype=torch.int64), to)
     return sent
 
 
-def _receive(tensors: dict[str, torch.Tensor], *, step: int, source: int) -> bool:
+def _receive(tensors: dict[str, torch.Tensor], *, step: int, identity: int, source: int) -> bool:
     """Receive every bucket from `source` into `tensors` in place; True if the step and checksum announced by the
-    sender match what arrived."""
-    digest = hashlib.sha256(str(step).encode())
+    sender match what arrived (summed on the tensors' device, over the bytes in place, while later buckets are on
+    the wire)."""
     buckets = _buckets(tensors)
     posted: list = []
+    sums: list[torch.Tensor] = []
 
     def post(bucket: list[torch.Tensor]) -> None:
         if len(bucket) == 1:
@@ -195,16 +197,16 @@ def _receive(tensors: dict[str, torch.Tensor], *, step: int, source: int) -> boo
             request.wait()
             if index + IN_FLIGHT < len(buckets):
                 post(buckets[index + IN_FLIGHT])
-            digest.update(flat.cpu().numpy())
             if len(bucket) > 1:
                 offset = 0
                 for tensor in bucket:
                     size = _raw(tensor).numel()
                     _raw(tensor).copy_(flat[offset : offset + size])
                     offset += size
+            sums += [tensor_sums(tensor) for tensor in bucket]
     trailer = torch.zeros(2, dtype=torch.int64)
     dist.recv(trailer, source)
-    return int(trailer[0]) == step and int(trailer[1]) == _int63(digest)
+    return int(trailer[0]) == step and int(trailer[1]) == fold(sums, salt=identity)
 
 
 def _buckets(tensors: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -450,3 +450,17 @@ def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(r
     fault_free(SHARDED)
     reference = [r for r in run_dir.parent.glob("reference-*") if load_config(r / "config.yaml").parallel.shard == 2]
     assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)
+
+
+def test_a_corrupted_slice_is_caught_against_its_own_copy_and_repaired_from_it(run):
+    # Two copies of each slice: a mismatch cannot tell which is right; the lower rank's copy wins (said in the
+    # README), so corrupting rank 3 (shard 1 of group 1) makes it the outlier, repaired from rank 1.
+    proc, run_dir = run(
+        "sharded-corrupt", *SHARDED, "ft.check_every=2", "fault=corrupt", "fault.rank=3", f"fault.step={FAULT_STEP}"
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert read_summary(run_dir)["status"] == "completed"
+    divergence = [e for e in read_events(run_dir / "events") if e["event"] == "divergence_detected"]
+    assert divergence and all(e["outlier_ranks"] == [3] for e in divergence)
+    transfers = [e for e in read_events(run_dir / "events") if e.get("phase") == "transfer" and e["bytes_moved"]]
+    assert transfers and {(e["rank"], tuple(e["receivers"])) for e in transfers} == {(1, (3,))}

@@ -539,3 +539,24 @@ def test_a_job_spec_and_an_outcome_survive_the_file_a_restarted_coordinator_read
     outcome.save(tmp_path / "outcome.json")
     assert JobOutcome.load(tmp_path / "outcome.json") == outcome
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_the_state_checksum_catches_a_flipped_bit_and_swapped_elements():
+    from ckptless_core.checksum import CHUNK_WORDS, state_checksum
+
+    torch.manual_seed(0)
+    state = [torch.randn(3, CHUNK_WORDS // 2 + 7), torch.randn(5).to(torch.bfloat16), torch.arange(4)]
+    reference = state_checksum(state, salt=12)
+    assert reference == state_checksum([t.clone() for t in state], salt=12)  # a pure function of the bytes
+    assert 0 <= reference < 2**63
+    assert state_checksum(state, salt=13) != reference
+    for tensor in state:
+        for index in (0, tensor.numel() - 1):
+            flipped = tensor.clone()
+            flipped.view(-1)[index : index + 1].view(torch.uint8)[0] ^= 0x10
+            assert state_checksum([flipped if t is tensor else t for t in state], salt=12) != reference
+    swapped = state[0].clone()
+    flat = swapped.view(-1)
+    flat[[1, CHUNK_WORDS + 3]] = flat[[CHUNK_WORDS + 3, 1]]  # the same values, in another order, across chunks
+    assert state_checksum([swapped, *state[1:]], salt=12) != reference
+    assert state_checksum([state[1], state[0], state[2]], salt=12) != reference  # tensors in another order

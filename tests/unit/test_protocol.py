@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -118,7 +119,8 @@ def test_a_forged_frame_without_the_handshake_is_refused():
     with socket.create_connection(server.address, timeout=5) as sock:
         sock.recv(64)
         sock.sendall(encode(FailureReport(worker="worker0", generation=1, step=1, kind="collective", error="x")))
-        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # the server may have refused it and closed the connection already
+            sock.shutdown(socket.SHUT_WR)
         assert "error" in server.join()
 
 
