@@ -90,11 +90,16 @@ def build_plan(job: JobConfig) -> Plan:
 
 
 def _activation_bytes(job: JobConfig, config) -> int:
-    """Rough saved-activation size of one micro-batch (no activation checkpointing): about 34 hidden-sized
-    values per token per layer plus the fp32 logits, after Korthikanti et al. 2022; an estimate, not a bound."""
+    """Rough saved-activation size of one micro-batch: about 34 hidden-sized values per token per layer (with
+    activation checkpointing: one per layer, plus one layer's 34) plus the fp32 logits, after Korthikanti et al.
+    2022; an estimate, not a bound."""
     tokens = job.trainer.micro_batch_size * job.data.seq_len
     bytes_per_value = 2 if job.trainer.precision == "bf16" else 4
-    layers = tokens * config.hidden_size * config.num_hidden_layers * 34 * bytes_per_value // 2
+    block = tokens * config.hidden_size * 34 * bytes_per_value // 2
+    if job.trainer.activation_checkpointing:  # each block's input kept, one block's activations recomputed at a time
+        layers = tokens * config.hidden_size * bytes_per_value * config.num_hidden_layers + block
+    else:
+        layers = block * config.num_hidden_layers
     logits = tokens * config.vocab_size * 4 * 2
     return layers + logits
 

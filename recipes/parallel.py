@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ckptless_core.fsdp import protect
@@ -52,13 +52,15 @@ def device_mesh(layout: Layout, *, world_size: int, device_type: str) -> DeviceM
     return init_device_mesh(device_type, layout.mesh_shape(world_size), mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, replica: Replica) -> None:
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, replica: Replica, *, bf16: bool = False) -> None:
     """FSDP2 inside each replica group (over the mesh's shard dimension) on every decoder block, then the root; the
-    gradient shards summed across replica groups, and every collective interruptible (`ckptless_core.fsdp`)."""
+    gradient shards summed across replica groups, and every collective interruptible (`ckptless_core.fsdp`). With
+    `bf16`, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded weights stay fp32)."""
     replicate_group = mesh["replicate"].get_group()
     modules = [*decoder_blocks(model), model]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for module in modules:
-        fully_shard(module, mesh=mesh["shard"])
+        fully_shard(module, mesh=mesh["shard"], mp_policy=policy or MixedPrecisionPolicy())
     for module in modules:
         protect(module, replica, replicate_group=replicate_group)
 

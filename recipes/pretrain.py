@@ -105,12 +105,20 @@ def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
     """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
     model to be sharded is built whole here too, and sharded once the first generation's ranks are known."""
     torch.manual_seed(job.seed)
-    model = build_model(job.model, device=device)
-    model.train()
+    model = training_model(job, device=device)
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
     grads = FlatGradients(model.parameters()) if job.parallel.shard == 1 else None
     return TrainState(model=model, optimizer=optimizer, grads=grads)
+
+
+def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
+    """The recipe's model in training mode, with activation checkpointing where configured."""
+    model = build_model(job.model, device=device)
+    model.train()
+    if job.trainer.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    return model
 
 
 def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
@@ -119,9 +127,8 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     its shard index's slice, from a sharded one its local shards (see `recipes.parallel`)."""
     device = next(state.model.parameters()).device
     mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=device.type)
-    model = build_model(job.model, device="meta")
-    model.train()
-    shard_model(model, mesh, replica)
+    model = training_model(job, device="meta")
+    shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")
     model.to_empty(device=device)
     copy_local_state(state.model, model)
     optimizer = build_optimizer(model, job.optim)

@@ -70,7 +70,11 @@ class TrainerConfig:
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     precision: str = "fp32"
-    """`fp32`, or `bf16` autocast (fp32 master weights)."""
+    """`fp32`, or `bf16` autocast (fp32 master weights); sharded, FSDP2 also gathers bf16 parameters and reduces
+    gradients in fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them: less memory for
+    about a third more compute."""
     log_every: int = 1
     """Write a `metrics.jsonl` line every this many steps."""
     print_every: int = 10

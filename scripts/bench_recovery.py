@@ -1,0 +1,192 @@
+"""Benchmark: what one killed worker costs, by recovery phase, at three model sizes, unsharded and sharded 2x2.
+
+For each model (tiny_llama, a ~30M and a ~124M Llama built from configs) and layout (4 full replicas; 2 replica
+groups x 2 shards) it runs `python -m launcher ... fault=kill_worker` `--repeats` times, as a user does (4 workers,
+1 hot spare, `cluster=local`), and reads each run's `summary.json`: detect, rebuild (with the re-shard of a sharded
+model), transfer and replay, the bytes moved, and the time to recover without the replayed step. The transfer rate
+is compared with raw TCP over loopback: the same number of bytes sent between two processes of this script, in the
+same run.
+
+    python scripts/bench_recovery.py                        # 3 repeats x 3 models x 2 layouts: ~15 min here
+    python scripts/bench_recovery.py --models tiny_llama --repeats 1   # quick check
+
+Targets: transfer at least 50 % of the loopback rate; recovery without the replayed step at most 0.3 s at ~30M
+parameters. Writes bench_results/bench_recovery.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+SMALL_BATCH = ("data.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4")
+
+
+def llama(hidden: int, intermediate: int, layers: int, heads: int) -> tuple[str, ...]:
+    fields = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 4,
+    }
+    return tuple(f"model.hf_config.{k}={v}" for k, v in fields.items())
+
+
+MODELS = {
+    "tiny_llama": ("trainer.micro_batch_size=4",),  # 0.85M parameters, its own batch (16 x 128)
+    "llama_30m": (*llama(512, 1536, 10, 8), *SMALL_BATCH),  # 31.7M
+    "llama_124m": (*llama(768, 2688, 16, 12), *SMALL_BATCH),  # 124.7M
+}
+LAYOUTS = {"4 replicas": ("parallel.shard=1",), "2 groups x 2 shards": ("parallel.shard=2",)}
+PHASES = ("detect_s", "rebuild_s", "transfer_s", "replay_s", "time_to_recover_s")
+TARGET_RATE_FRACTION = 0.5
+TARGET_RECOVERY_30M_S = 0.3
+
+
+def launch(run_dir: Path, *args: str) -> dict:
+    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", "cluster.nproc=4", "ft.spares=1", *args]
+    command += ["trainer.print_every=1000", f"run.dir={run_dir}", "run.overwrite=true"]
+    print(f"$ {' '.join(command[1:])}", flush=True)
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print("  " + next((line for line in done.stdout.splitlines() if line.startswith("recovered")), "?"), flush=True)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _receive(port: int, nbytes: int, done) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        buffer = memoryview(bytearray(1 << 22))
+        left = nbytes
+        while left:
+            left -= sock.recv_into(buffer, min(len(buffer), left))
+        done.send(time.perf_counter())
+
+
+def loopback_rate(nbytes: int, *, repeats: int = 3) -> float:
+    """Bytes per second of one TCP stream over loopback between two processes (the best of `repeats`)."""
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
+    rates = []
+    for _ in range(repeats):
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            parent, child = multiprocessing.Pipe()
+            receiver = multiprocessing.get_context("fork").Process(
+                target=_receive, args=(server.getsockname()[1], nbytes, child)
+            )
+            receiver.start()
+            connection, _ = server.accept()
+            with connection:
+                started = time.perf_counter()
+                connection.sendall(payload)
+                ended = parent.recv()
+            receiver.join(30)
+            rates.append(nbytes / (ended - started))
+    return max(rates)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fault-step", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=REPO / "bench_results")
+    options = parser.parse_args()
+    runs = options.out / "recovery_runs"
+    results = []
+    for model in options.models:
+        for layout, layout_args in LAYOUTS.items():
+            summaries = []
+            for repeat in range(options.repeats):
+                summaries.append(
+                    launch(
+                        runs / f"{model}-{layout_args[0].split('=')[1]}-{repeat}",
+                        *MODELS[model],
+                        *layout_args,
+                        f"trainer.max_steps={options.fault_step + 2}",
+                        "fault=kill_worker",
+                        "fault.rank=1",
+                        f"fault.step={options.fault_step}",
+                    )
+                )
+            recoveries = [s["recoveries"][0] for s in summaries if s["recoveries"] and s["recoveries"][0]["completed"]]
+            median = {key: statistics.median(r[key] for r in recoveries) for key in PHASES}
+            moved = statistics.median(r["bytes_moved"] for r in recoveries)
+            rate = statistics.median(r["bytes_moved"] / r["transfer_s"] for r in recoveries)
+            loopback = loopback_rate(int(moved))
+            results.append(
+                {
+                    "model": model,
+                    "layout": layout,
+                    "runs": len(summaries),
+                    "recovered": len(recoveries),
+                    "median_s": median,
+                    "without_replay_s": statistics.median(r["time_to_recover_s"] - r["replay_s"] for r in recoveries),
+                    "bytes_moved": moved,
+                    "source_ranks": [r["source_ranks"] for r in recoveries],
+                    "transfer_bytes_per_s": rate,
+                    "loopback_bytes_per_s": loopback,
+                    "rate_fraction_of_loopback": rate / loopback,
+                    "param_sha256": sorted({s["param_sha256"] for s in summaries}),
+                }
+            )
+    at_30m = [r["without_replay_s"] for r in results if r["model"] == "llama_30m"]
+    result = {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": version("torch"),
+        "setup": f"cluster=local, 4 workers + 1 spare, kill_worker of rank 1 at step {options.fault_step}",
+        "results": results,
+        "targets": {
+            "transfer_fraction_of_loopback": TARGET_RATE_FRACTION,
+            "met_transfer": all(r["rate_fraction_of_loopback"] >= TARGET_RATE_FRACTION for r in results),
+            "recovery_without_replay_at_30m_s": TARGET_RECOVERY_30M_S,
+            "met_recovery_at_30m": bool(at_30m) and max(at_30m) <= TARGET_RECOVERY_30M_S,
+        },
+    }
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "bench_recovery.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"# bench_recovery ({result['when']}, {result['machine']}, torch {result['torch']})",
+        "",
+        f"{result['setup']}; medians of {options.repeats} runs each.",
+        "",
+        "| model | layout | detect | rebuild | transfer | replay | recovery without replay | moved | transfer rate "
+        "| loopback TCP | same hash every run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        m = r["median_s"]
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {m['detect_s']:.3f} s | {m['rebuild_s']:.3f} s | {m['transfer_s']:.3f} s "
+            f"| {m['replay_s']:.3f} s | {r['without_replay_s']:.3f} s | {r['bytes_moved'] / 1e6:.1f} MB "
+            f"| {r['transfer_bytes_per_s'] / 1e9:.2f} GB/s | {r['loopback_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"| {'yes' if len(r['param_sha256']) == 1 else 'NO'} |"
+        )
+    targets = result["targets"]
+    lines += [
+        "",
+        f"Targets: transfer at least {TARGET_RATE_FRACTION:.0%} of loopback TCP: "
+        f"{'met' if targets['met_transfer'] else 'NOT met'}; recovery without the replayed step at most "
+        f"{TARGET_RECOVERY_30M_S} s at ~30M parameters: {'met' if targets['met_recovery_at_30m'] else 'NOT met'}.",
+    ]
+    (options.out / "bench_recovery.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
