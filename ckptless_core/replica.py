@@ -297,10 +297,9 @@ class Replica:
             return
         mine = torch.tensor([state_checksum(self.tensors.values())], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        try:
-            dist.all_gather(everyone, mine)
-        except RuntimeError as error:
-            raise PeerFailure(f"replica check failed in generation {self.generation.number}: {error}") from None
+        # Waited for as the step's collectives are: a host lost meanwhile must not hold the survivors here for the
+        # whole collective timeout.
+        self.collective("replica check", lambda: dist.all_gather(everyone, mine, async_op=True))
         values = [int(v) for v in everyone]
         outliers = []
         for index in range(self.layout.shard):  # each slice against its own copies
@@ -461,7 +460,12 @@ class Replica:
         if self.checkpoint_dir is not None:
             restored = load_latest_checkpoint(self.checkpoint_dir, self.tensors, events=self.events)
         if restored is None:
-            raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to (ft.checkpoint_every)")
+            remedy = (
+                "(ft.checkpoint_every)"
+                if self.layout.shard == 1
+                else "(sharded state has none yet: give every slice more copies with more replica groups)"
+            )
+            raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to {remedy}")
         self.step, path = restored
         self.events.emit("checkpoint_fallback", generation=self.generation.number, step=self.step, path=str(path))
         steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
