@@ -182,8 +182,9 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
         logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
     F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
     if state.grads is not None:
-        state.grads.zero()
-    state.model.zero_grad(set_to_none=True)
+        state.grads.zero()  # the gradients stay views of the flat buffer the replicas all-reduce
+    else:
+        state.model.zero_grad(set_to_none=True)
 
 
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
