@@ -23,20 +23,16 @@ Writes bench_results/bench_hosts.json and .md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+from benchlib import ENV, REPO, provenance, write_report
 
 
 def loss_schedule(*, steps: int, losses: int, num_hosts: int, seed: int, kind: str = "kill_host") -> list[dict]:
@@ -179,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         else None
     )
     result = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "torch": version("torch"),
+        **provenance(),
         "layout": "cluster=netns: 2 training hosts x 1 worker + 1 spare host, ft.spares=0, tiny_llama",
         "schedule": schedule,
         "host_losses": {
@@ -233,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             faulty["goodput"] / restarted["goodput"] if faulty.get("goodput") and restarted.get("goodput") else None
         ),
     }
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "bench_hosts.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        f"# bench_hosts ({result['when']}, {result['machine']}, torch {result['torch']})",
-        "",
         f"{result['layout']}; {options.steps} steps; host losses at (step, host) "
         f"{[(e['step'], e['host']) for e in schedule]}",
         "",
@@ -287,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{_ms(pace['away_median_s'])} per step (otherwise {_ms(pace['normal_median_s'])}); final hash = fault-free: "
         f"{'yes' if restarts['param_sha256_equal'] else 'NO'}; goodput {restarts['goodput'] * 100:.1f} %.",
     ]
-    (options.out / "bench_hosts.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(options.out, "bench_hosts", result, lines)
     return 0
 
 

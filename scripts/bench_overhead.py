@@ -15,19 +15,16 @@ Target: median ratio at most 1.02. Writes bench_results/bench_overhead.json and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+from benchlib import ENV, REPO, provenance, write_report
+
 MODEL_30M = (
     "model.hf_config.hidden_size=512",
     "model.hf_config.intermediate_size=1536",
@@ -101,18 +98,12 @@ def main() -> int:
             "target_met": statistics.median(ratios) <= TARGET_RATIO,
         }
     result = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "torch": version("torch"),
+        **provenance(),
         "setup": f"~30M Llama, 4 workers, no spare, {options.steps} steps per run (first {options.warmup} dropped)",
         "target_ratio": TARGET_RATIO,
         "layouts": results,
     }
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "bench_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        f"# bench_overhead ({result['when']}, {result['machine']}, torch {result['torch']})",
-        "",
         f"{result['setup']}; {options.pairs} alternating pairs per layout.",
         "",
         "| layout | step, ft=none | step, ft=ckptless | ratio (median) | 95 % interval | target <= 1.02 |",
@@ -124,8 +115,7 @@ def main() -> int:
             f"| {r['median_ratio']:.3f} | {r['interval_95'][0]:.3f} - {r['interval_95'][1]:.3f} "
             f"| {'met' if r['target_met'] else 'NOT met'} |"
         )
-    (options.out / "bench_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(options.out, "bench_overhead", result, lines)
     return 0
 
 

@@ -17,21 +17,18 @@ parameters. Writes bench_results/bench_recovery.json and .md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+from benchlib import ENV, REPO, provenance, write_report
+
 SMALL_BATCH = ("data.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4")
 
 
@@ -145,9 +142,7 @@ def main() -> int:
             )
     at_30m = [r["without_replay_s"] for r in results if r["model"] == "llama_30m"]
     result = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "torch": version("torch"),
+        **provenance(),
         "setup": f"cluster=local, 4 workers + 1 spare, kill_worker of rank 1 at step {options.fault_step}",
         "results": results,
         "targets": {
@@ -157,11 +152,7 @@ def main() -> int:
             "met_recovery_at_30m": bool(at_30m) and max(at_30m) <= TARGET_RECOVERY_30M_S,
         },
     }
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "bench_recovery.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        f"# bench_recovery ({result['when']}, {result['machine']}, torch {result['torch']})",
-        "",
         f"{result['setup']}; medians of {options.repeats} runs each.",
         "",
         "| model | layout | detect | rebuild | transfer | replay | recovery without replay | moved | transfer rate "
@@ -183,8 +174,7 @@ def main() -> int:
         f"{'met' if targets['met_transfer'] else 'NOT met'}; recovery without the replayed step at most "
         f"{TARGET_RECOVERY_30M_S} s at ~30M parameters: {'met' if targets['met_recovery_at_30m'] else 'NOT met'}.",
     ]
-    (options.out / "bench_recovery.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(options.out, "bench_recovery", result, lines)
     return 0
 
 
