@@ -19,11 +19,12 @@ RUN_OUTPUTS = (
     "events",
     "logs",
     "checkpoints",
+    "coordinator",
     "control.secret",
 )
 """What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
 go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to
-continue one)."""
+continue one), nor its coordinator resume the previous run's journal."""
 
 
 def resolve_run_dir(job: JobConfig, *, recipe: str) -> Path:

@@ -93,6 +93,8 @@ def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path)
     # The earlier run's outputs go, its checkpoints too (a new run must not restart from them); the rest stays.
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "step_00000999.safetensors").write_text("an earlier run's checkpoint")
+    (run_dir / "coordinator").mkdir()
+    (run_dir / "coordinator" / "journal.jsonl").write_text('{"record": "an earlier run\'s journal"}\n')
     proc = launch(
         "recipe=tiny_llama",
         f"run.dir={run_dir}",
@@ -106,6 +108,7 @@ def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path)
     # A checkpoint after every step, only the newest two kept.
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert kept == ["step_00000003.safetensors", "step_00000004.safetensors"]
+    assert "an earlier run" not in (run_dir / "coordinator" / "journal.jsonl").read_text()  # not resumed from
 
 
 def test_overwriting_the_run_that_resume_continues_is_refused(launch, tmp_path):
