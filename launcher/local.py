@@ -75,7 +75,9 @@ def run_local(
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Both stop the job cleanly, whatever this process inherited: a launcher started in the background of a script
+    # inherits SIGINT ignored, and a scheduler's or a user's `kill -INT` must still stop it (as torchrun's agent does).
+    previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     interrupted = False
     try:
         start()
@@ -86,7 +88,8 @@ def run_local(
     finally:
         runner.close()
         progress.close()
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     outcome.exit_codes.update(runner.exit_codes())
     summary = build_summary(
         run_dir,
