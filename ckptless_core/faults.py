@@ -27,7 +27,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.tensor import DTensor
 
 KINDS = (
     "kill_worker",
@@ -230,6 +229,8 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
+        from torch.distributed.tensor import DTensor  # (imported here: it costs every process half a second)
+
         parameter = next(module.parameters())
         with torch.no_grad():  # of a sharded parameter, this rank's slice
             (parameter.to_local() if isinstance(parameter, DTensor) else parameter).view(-1)[0] += 1.0

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ckptless_core.checksum import fold, state_checksum, tensor_sums
 from ckptless_core.layout import FULL_REPLICAS, Layout
@@ -59,6 +58,8 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # (imported here: it costs every process half a second)
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

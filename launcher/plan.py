@@ -12,7 +12,6 @@ import torch
 from launcher.errors import ConfigError
 from launcher.torchrun import torchrun_command
 from recipes.model import build_model
-from recipes.parallel import check_shardable
 from recipes.schema import JobConfig
 
 GIB = 1024**3
@@ -60,6 +59,8 @@ def build_plan(job: JobConfig) -> Plan:
     model = build_model(job.model, device="meta")
     shard = job.parallel.shard
     if shard > 1:
+        from recipes.parallel import check_shardable  # (FSDP2's imports cost every launcher half a second)
+
         check_shardable(model, shard)
     total = sum(p.numel() for p in model.parameters())
     # The largest slice any rank holds: FSDP2 cuts each parameter's first dimension into `shard` parts, padded.
