@@ -229,10 +229,11 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
-        from ckptless_core.transfer import local_tensor
+        from torch.distributed.tensor import DTensor  # (imported here: it costs every process half a second)
 
+        parameter = next(module.parameters())
         with torch.no_grad():  # of a sharded parameter, this rank's slice
-            local_tensor(next(module.parameters())).view(-1)[0] += 1.0
+            (parameter.to_local() if isinstance(parameter, DTensor) else parameter).view(-1)[0] += 1.0
 
     def raise_if_requested(mod, args) -> None:
         if requested["exception"]:
