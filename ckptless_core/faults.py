@@ -229,11 +229,10 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
-        from torch.distributed.tensor import DTensor  # (imported here: it costs every process half a second)
+        from ckptless_core.transfer import local_tensor
 
-        parameter = next(module.parameters())
         with torch.no_grad():  # of a sharded parameter, this rank's slice
-            (parameter.to_local() if isinstance(parameter, DTensor) else parameter).view(-1)[0] += 1.0
+            local_tensor(next(module.parameters())).view(-1)[0] += 1.0
 
     def raise_if_requested(mod, args) -> None:
         if requested["exception"]:

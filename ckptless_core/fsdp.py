@@ -20,13 +20,17 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from ckptless_core.replica import Replica
 
 
-class _ReplicaAllGather(AllGather):
+class _ThroughReplica:
+    """A comm of FSDP2's that waits through `replica`, in plain (uncached) buffers."""
+
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class _ReplicaAllGather(_ThroughReplica, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.replica.collective(
             "all-gather", partial(dist.all_gather_into_tensor, output_tensor, input_tensor, group=group, async_op=True)
@@ -34,14 +38,16 @@ class _ReplicaAllGather(AllGather):
         return None  # done: nothing left for FSDP to wait on
 
 
-class _ReplicaReduceScatter(ReduceScatter):
-    def __init__(self, replica: Replica) -> None:
-        self.replica = replica
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class _ReplicaReduceScatter(_ThroughReplica, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if dist.get_backend(group) == "gloo":
+            # A slice of the wait on gloo's reduce-scatter can block until the peer's socket closes (seen: 60 s, a
+            # survivor held by a peer that had left for the next generation); its all-reduce waits in slices as it
+            # should. Same sums, twice the bytes: this rank keeps its own chunk.
+            issue = partial(dist.all_reduce, input_tensor, op=op, group=group, async_op=True)
+            self.replica.collective("reduce-scatter", issue)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+            return None
         self.replica.collective(
             "reduce-scatter",
             partial(dist.reduce_scatter_tensor, output_tensor, input_tensor, op=op, group=group, async_op=True),

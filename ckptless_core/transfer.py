@@ -44,7 +44,7 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=False).items():
-        tensor = _local(tensor)
+        tensor = local_tensor(tensor)
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
@@ -53,11 +53,12 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     for param, param_state in optimizer.state.items():
         for key in sorted(param_state):
             if isinstance(param_state[key], torch.Tensor):
-                tensors[f"optim/{index[id(param)]}/{key}"] = _local(param_state[key])
+                tensors[f"optim/{index[id(param)]}/{key}"] = local_tensor(param_state[key])
     return tensors
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a sharded tensor (a DTensor's local tensor, in place); any other tensor itself."""
     from torch.distributed.tensor import DTensor  # (imported here: it costs every process half a second)
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

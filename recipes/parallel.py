@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ckptless_core.fsdp import protect
 from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica
+from ckptless_core.transfer import local_tensor
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -68,7 +69,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, replica: Replica, *, b
 def grad_norm(model: torch.nn.Module, replica: Replica, *, shard_group: dist.ProcessGroup | None) -> torch.Tensor:
     """The global gradient norm; of a sharded model, over the slices of one replica group (summed over
     `shard_group`, through the replica: a failure there is a PeerFailure)."""
-    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     squares = torch.stack(torch._foreach_norm(grads)).square().sum()
     if shard_group is not None:
         replica.all_reduce(squares, group=shard_group)
@@ -77,7 +78,7 @@ def grad_norm(model: torch.nn.Module, replica: Replica, *, shard_group: dist.Pro
 
 def clip_grads(model: torch.nn.Module, max_norm: float, norm: torch.Tensor) -> None:
     """Scale every gradient (its local slice) by max_norm / norm when the norm exceeds max_norm."""
-    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
@@ -104,12 +105,7 @@ def _copy_slice(source: torch.Tensor, *, into: torch.Tensor) -> None:
     shard index, so the same shape), a whole one cut as `into` is sharded (no communication)."""
     if isinstance(into, DTensor) and not isinstance(source, DTensor):
         source = distribute_tensor(source, into.device_mesh, into.placements, src_data_rank=None)
-    local(into).copy_(local(source))
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a sharded tensor (the tensor itself when it is not sharded)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local_tensor(into).copy_(local_tensor(source))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
