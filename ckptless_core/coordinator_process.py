@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import signal
 import socket
 import sys
 from dataclasses import asdict
@@ -100,8 +101,11 @@ def _serve(coordinator, commands: multiprocessing.connection.Connection) -> JobO
     stopping = False
     while (outcome := coordinator.poll()) is None:
         received = b""
-        while commands.poll():
-            received += commands.recv_bytes()
+        try:
+            while commands.poll():
+                received += commands.recv_bytes()
+        except EOFError:  # the launcher is gone: no `close`, which would shut down agents that can outlive it
+            os.kill(os.getpid(), signal.SIGKILL)
         if SHUTDOWN in received:
             return JobOutcome(ok=False, exit_codes=coordinator.exit_codes(), message="stopped", reason="stopped")
         if STOP in received and not stopping:
