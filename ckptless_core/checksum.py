@@ -33,18 +33,22 @@ def state_checksum(tensors: Iterable[torch.Tensor], *, salt: int = 0) -> int:
     return fold([tensor_sums(tensor) for tensor in tensors], salt=salt)
 
 
-def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+def tensor_sums(tensor: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
     """(plain, weighted) int64 sums of one tensor's words, on its device: compute them as the tensor becomes
-    ready (e.g. while the next one is still on the wire), `fold` them at the end."""
+    ready (e.g. while the next one is still on the wire), `fold` them at the end.
+
+    Of a slice that starts `offset` words into a whole tensor, the sums are its share of the whole tensor's: the
+    sums of a tensor's slices, added up with wrap-around, are the sums of the tensor, however it is sliced (a
+    checkpoint written by one layout is verified when loaded by another)."""
     assert tensor.is_contiguous(), "state tensors are checksummed in place and must be contiguous"
     words = tensor.detach().reshape(-1).view(_WORD_TYPES[tensor.element_size()])
     sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
     positions = _positions_on(tensor.device)
-    for start in range(0, words.numel(), CHUNK_WORDS):
-        chunk = words[start : start + CHUNK_WORDS].to(torch.int64)
+    for begin in range(0, words.numel(), CHUNK_WORDS):
+        chunk = words[begin : begin + CHUNK_WORDS].to(torch.int64)
         plain = chunk.sum()
         sums[0] += plain
-        sums[1] += (chunk * positions[: chunk.numel()]).sum() + plain * start
+        sums[1] += (chunk * positions[: chunk.numel()]).sum() + plain * (offset + begin)
     return sums
 
 

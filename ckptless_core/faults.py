@@ -1,5 +1,5 @@
-"""Fault injection, delivered the way real faults arrive: a signal from another process (the node agent, on the coordinator.s word) at a
-chosen step, at a chosen moment of a recovery, or at random times.
+"""Fault injection, delivered the way real faults arrive: a signal from another process (the node agent, on the
+coordinator's word) at a chosen step, at a chosen moment of a recovery, or at random times.
 
 Kinds: `kill_worker` (SIGKILL), `hang` (SIGSTOP: only missing heartbeats reveal it), `exception` (SIGRTMIN+1, which
 the worker turns into an error raised inside the model's forward at its next call: a signal handler cannot
@@ -216,7 +216,8 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
     native code, so `exception` and `segfault` only set a flag that forward pre-hooks check: `exception` raises
     `InjectedFault` in `module`'s next forward, `segfault` crashes the process natively in the next forward of any
     of its submodules (still inside the step in progress when the signal lands mid-forward). `corrupt` silently adds
-    1.0 to one parameter element, between two Python operations of the main thread. `stuck` blocks the main thread
+    1.0 to one element of the training state (`replica`'s first tensor, else `module`'s first parameter), between
+    two Python operations of the main thread. `stuck` blocks the main thread
     (heartbeats go on) in the next forward of any submodule, or at the next collective of `replica`."""
     faults = list(faults)
     kinds = {event.kind for event in faults}
@@ -229,10 +230,11 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         requested["segfault"] = True
 
     def on_corrupt_signal(signum, frame) -> None:
-        from ckptless_core.transfer import local_tensor
-
-        with torch.no_grad():  # of a sharded parameter, this rank's slice
-            local_tensor(next(module.parameters())).view(-1)[0] += 1.0
+        # The state's own tensor: of a sharded model this rank's slice, not the unsharded copy of a parameter that
+        # FSDP2 puts on the module during a forward and frees after it (a change there would vanish unseen).
+        tensors = list(replica.tensors.values()) if replica is not None else []
+        with torch.no_grad():
+            (tensors[0] if tensors else next(module.parameters())).view(-1)[0] += 1.0
 
     def raise_if_requested(mod, args) -> None:
         if requested["exception"]:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless_core.agent_link import AgentLink
-from ckptless_core.checkpoint import load_latest_checkpoint
+from ckptless_core.checkpoint import Checkpointer, load_latest_checkpoint
 from ckptless_core.checksum import state_checksum
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
@@ -114,6 +114,13 @@ class Replica:
         """(step to reach, when the replay began) while a replay is in progress."""
         self.checkpoint_dir: Path | None = None
         """Where disk checkpoints are, for the fallback when no healthy replica holds the state."""
+        self.checkpointer: Checkpointer | None = None
+        """Writes this job's disk checkpoints (`save_checkpoint`); each generation then makes a process group of its
+        own for them, so a write in the background never shares a group with training's collectives."""
+        self.checkpoint_state: Callable[[], dict[str, torch.Tensor]] | None = None
+        """The state as checkpoints hold it (`transfer.checkpoint_state`: a sharded tensor as its DTensor); None:
+        `tensors`."""
+        self.checkpoint_group: dist.ProcessGroup | None = None
         self.marker_interval_s = heartbeat_interval_s
         """How often a main thread waiting in a collective renews its `collective_waiting` marker."""
         self._pending: list = []
@@ -212,17 +219,35 @@ class Replica:
                     self._recover(error)
             return result
 
-    def all_reduce(self, tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> None:
-        """Sum `tensor` over the generation's ranks (or over `group`, one made from this generation's), bounded by
-        the collective timeout; a failure is a PeerFailure. See `collective`."""
+    def all_reduce(
+        self, tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = dist.ReduceOp.SUM
+    ) -> None:
+        """Reduce `tensor` (a sum unless `op` says otherwise) over the generation's ranks (or over `group`, one made
+        from this generation's), bounded by the collective timeout; a failure is a PeerFailure. See `collective`."""
         self._mark("collective_entered")
         for hook in self.collective_hooks:
             hook()
         if (group.size() if group is not None else self.world_size) > 1:
-            self.collective(
-                "all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            )
+            self.collective("all-reduce", lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
         self._mark("collective_done")
+
+    def agree_max(self, value: int) -> int:
+        """The largest of the ranks' `value`s (call it inside a step, on every rank)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        self.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor)
+
+    def save_checkpoint(self, *, background: bool | None = None) -> float:
+        """Every rank, at the same step: write a disk checkpoint of the committed state (see `Checkpointer.save`);
+        returns the seconds training was blocked."""
+        state = self.checkpoint_state() if self.checkpoint_state is not None else self.tensors
+        return self.checkpointer.save(
+            state,
+            step=self.step,
+            slice_index=self.layout.shard_index(self.rank),
+            group=self.checkpoint_group,
+            background=background,
+        )
 
     def collective(self, what: str, issue: Callable[[], dist.Work]) -> None:
         """Run a collective that `issue()` starts (with `async_op=True`) and wait for it: a failure, at the start or
@@ -400,6 +425,8 @@ class Replica:
         )
         self.generation = generation
         self.events.rank = self.rank
+        if self.checkpointer is not None:
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.collective_timeout_s))
         reshard_s = 0.0
         if self.reshard is not None:
             started = time.perf_counter()
@@ -458,14 +485,17 @@ class Replica:
         checkpoint, and says so; the ranks must have loaded the same step. Without one the recovery fails."""
         restored = None
         if self.checkpoint_dir is not None:
-            restored = load_latest_checkpoint(self.checkpoint_dir, self.tensors, events=self.events)
-        if restored is None:
-            remedy = (
-                "(ft.checkpoint_every)"
-                if self.layout.shard == 1
-                else "(sharded state has none yet: give every slice more copies with more replica groups)"
+            state = self.checkpoint_state() if self.checkpoint_state is not None else self.tensors
+            add_up = self._add_up_slices if self.layout.shard > 1 else None
+            restored = load_latest_checkpoint(
+                self.checkpoint_dir,
+                state,
+                events=self.events,
+                slice_index=self.layout.shard_index(self.rank),
+                add_up=add_up,
             )
-            raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to {remedy}")
+        if restored is None:
+            raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to (ft.checkpoint_every)")
         self.step, path = restored
         self.events.emit("checkpoint_fallback", generation=self.generation.number, step=self.step, path=str(path))
         steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
@@ -473,6 +503,13 @@ class Replica:
         if len({int(s) for s in steps}) != 1:
             raise IntegrityError(f"ranks fell back to checkpoints of different steps: {[int(s) for s in steps]}")
         return TransferResult(step=self.step, source=-1, receivers=(self.rank,), bytes_moved=0)
+
+    def _add_up_slices(self, mine: torch.Tensor) -> torch.Tensor:
+        """The whole state's checksum sums from each rank's share: added up over this rank's replica group."""
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.collective("checkpoint check", lambda: dist.all_gather(everyone, mine, async_op=True))
+        first = self.rank - self.layout.shard_index(self.rank)
+        return torch.stack(everyone[first : first + self.layout.shard]).sum(0)
 
     def _standalone_generation(self) -> Generation:
         """Started by torchrun or by hand, without a ckptless coordinator: membership comes from RANK and

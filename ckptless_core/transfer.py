@@ -38,22 +38,26 @@ class TransferResult:
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Everything that defines the training state as named tensors, in a fixed order: the model's parameters and
-    buffers (tied tensors once), then the optimizer's per-parameter state. Of a sharded tensor (FSDP2), this rank's
-    slice: the local tensor, in place."""
+    """Everything that defines the training state as named tensors, in a fixed order (see `checkpoint_state`); of
+    a sharded tensor (FSDP2), this rank's slice: the local tensor, in place."""
+    return {name: local_tensor(tensor) for name, tensor in checkpoint_state(model, optimizer).items()}
+
+
+def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The training state as disk checkpoints hold it: the model's parameters and buffers (tied tensors once), then
+    the optimizer's per-parameter state; a sharded tensor as its DTensor (it knows where its slice lies)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=False).items():
-        tensor = local_tensor(tensor)
-        if tensor.data_ptr() in seen:
+        if local_tensor(tensor).data_ptr() in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(local_tensor(tensor).data_ptr())
         tensors[f"model/{name}"] = tensor
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     for param, param_state in optimizer.state.items():
         for key in sorted(param_state):
             if isinstance(param_state[key], torch.Tensor):
-                tensors[f"optim/{index[id(param)]}/{key}"] = local_tensor(param_state[key])
+                tensors[f"optim/{index[id(param)]}/{key}"] = param_state[key]
     return tensors
 
 

@@ -13,6 +13,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
 from ckptless_core.netns import NetnsUnavailable
 from ckptless_core.netns import check_available as check_netns_available
@@ -125,16 +126,15 @@ def validate(job: JobConfig) -> None:
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
     validate_fault_tolerance(job)
-    if job.resume is not None and not list((Path(job.resume) / "checkpoints").glob("step_*.safetensors")):
+    if job.resume is not None and not checkpoint_dirs(Path(job.resume) / "checkpoints"):
         raise ConfigError(
-            f"resume={job.resume}: no disk checkpoint there (checkpoints/step_*.safetensors); resume needs a run "
-            "that had ft.checkpoint_every set"
+            f"resume={job.resume}: no disk checkpoint there (checkpoints/step_N/); resume needs a run that had "
+            "ft.checkpoint_every set"
         )
 
 
 def validate_parallel(job: JobConfig) -> None:
-    """The layout: `cluster.nproc` = `parallel.shard` x `parallel.replicate` (replicate derived when null); what a
-    sharded job cannot do yet is refused here, not found out by a worker."""
+    """The layout: `cluster.nproc` = `parallel.shard` x `parallel.replicate` (replicate derived when null)."""
     parallel, nproc = job.parallel, job.cluster.nproc
     if parallel.shard < 1:
         raise ConfigError(f"parallel.shard={parallel.shard} must be at least 1 (1: full replicas on every rank)")
@@ -150,14 +150,6 @@ def validate_parallel(job: JobConfig) -> None:
             f"parallel.shard={parallel.shard} x parallel.replicate={parallel.replicate} = "
             f"{parallel.shard * parallel.replicate}, but cluster.nproc={nproc}; set parallel.replicate=null to "
             "derive it, or change cluster.nproc"
-        )
-    if parallel.shard == 1:
-        return
-    if job.ft.mode == "checkpoint_restart" or job.ft.checkpoint_every or job.resume is not None:
-        raise ConfigError(
-            f"parallel.shard={parallel.shard}: disk checkpoints of sharded state are not written yet (their format, "
-            "torch.distributed.checkpoint, is the next step); run it with ft.checkpoint_every=0, without resume and "
-            "without ft=checkpoint_restart, or with parallel.shard=1"
         )
 
 

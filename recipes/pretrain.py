@@ -32,7 +32,7 @@ from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica, StopRequested, TrainingCodeError
 from ckptless_core.state_hash import param_sha256
-from ckptless_core.transfer import materialize_optimizer_state, state_tensors
+from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model
@@ -209,23 +209,32 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
 
         replica.reshard = reshard
     replica.checkpoint_dir = run_dir / "checkpoints"
+    replica.checkpoint_state = lambda: checkpoint_state(state.model, state.optimizer)
     checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
+    replica.checkpointer = checkpoints
     started = time.perf_counter()
-    if (restored := _restore(job, run_dir, replica.tensors, events=events)) is not None:
+    # Whole tensors here (a sharded job shards them as it joins): a checkpoint of any layout loads.
+    if (restored := _restore(job, run_dir, replica.checkpoint_state(), events=events)) is not None:
         replica.step, path = restored
         events.emit("checkpoint_loaded", step=replica.step, path=str(path), duration_s=_since(started))
     replica.start()  # a hot spare waits here, model built, until it is promoted
+
+    def step_fn(step: int) -> dict[str, float]:
+        if schedule is not None:
+            schedule.agree(replica.agree_max)  # while `auto` is undecided
+        return train_step(state, step, replica=replica, sampler=sampler, job=job)
+
     metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
     events.emit("train_start", step=replica.step, world_size=replica.world_size)
     start = time.perf_counter()
     result = {"loss": float("nan")}
     try:
-        if checkpoints is not None and replica.rank == 0 and schedule.needs_write_cost:
-            schedule.observe_write(checkpoints.save_now(replica.tensors, step=replica.step))
+        if checkpoints is not None and schedule.needs_write_cost and not replica.env.spare:
+            schedule.observe_write(replica.save_checkpoint(background=False))  # the workers started with the job
         while replica.step < job.trainer.max_steps:
             step_start = time.perf_counter()
-            result = replica.run_step(lambda step: train_step(state, step, replica=replica, sampler=sampler, job=job))
+            result = replica.run_step(step_fn)
             step_s = _since(step_start)
             events.emit(
                 "step_committed",
@@ -242,14 +251,14 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
                     step_s=step_s,
                     elapsed_s=_since(start),
                 )
-                if checkpoints is not None:
-                    schedule.observe_step(step_s)
-                    if schedule.due(replica.step):
-                        checkpoints.save(replica.tensors, step=replica.step)
+            if checkpoints is not None:
+                schedule.observe_step(step_s)
+                if schedule.due(replica.step):
+                    replica.save_checkpoint()
     except StopRequested:
         events.emit("stopped", step=replica.step)
-        if checkpoints is not None and replica.rank == 0:
-            checkpoints.save_now(replica.tensors, step=replica.step)
+        if checkpoints is not None:
+            replica.save_checkpoint(background=False)
         return
     finally:
         metrics.close()
@@ -279,15 +288,15 @@ def _checkpointing(
 
 
 def _restore(
-    job: JobConfig, run_dir: Path, tensors: dict[str, torch.Tensor], *, events: EventLog
+    job: JobConfig, run_dir: Path, state: dict[str, torch.Tensor], *, events: EventLog
 ) -> tuple[int, Path] | None:
     """Load the checkpoint a worker starts from, if any: under checkpoint-restart the newest usable one of this run
     (after a restart), else the newest usable one of the run named by `resume`; returns (step, path)."""
     if job.ft.mode == "checkpoint_restart":
-        if (restored := load_latest_checkpoint(run_dir / "checkpoints", tensors, events=events)) is not None:
+        if (restored := load_latest_checkpoint(run_dir / "checkpoints", state, events=events)) is not None:
             return restored
     if job.resume is not None:
-        return load_latest_checkpoint(Path(job.resume) / "checkpoints", tensors, events=events)
+        return load_latest_checkpoint(Path(job.resume) / "checkpoints", state, events=events)
     return None
 
 

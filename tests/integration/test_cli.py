@@ -91,8 +91,8 @@ def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path)
     assert "run.overwrite=true" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
     # The earlier run's outputs go, its checkpoints too (a new run must not restart from them); the rest stays.
-    (run_dir / "checkpoints").mkdir()
-    (run_dir / "checkpoints" / "step_00000999.safetensors").write_text("an earlier run's checkpoint")
+    (run_dir / "checkpoints" / "step_00000999").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000999" / ".metadata").write_text("an earlier run's checkpoint")
     (run_dir / "coordinator").mkdir()
     (run_dir / "coordinator" / "journal.jsonl").write_text('{"record": "an earlier run\'s journal"}\n')
     proc = launch(
@@ -107,18 +107,18 @@ def test_an_existing_run_directory_is_refused_unless_overwrite(launch, tmp_path)
     assert (run_dir / "keep.txt").exists() and (run_dir / "summary.json").exists()
     # A checkpoint after every step, only the newest two kept.
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert kept == ["step_00000003.safetensors", "step_00000004.safetensors"]
+    assert kept == ["step_00000003", "step_00000004"]
     assert "an earlier run" not in (run_dir / "coordinator" / "journal.jsonl").read_text()  # not resumed from
 
 
 def test_overwriting_the_run_that_resume_continues_is_refused(launch, tmp_path):
     run_dir = tmp_path / "run"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step_00000002.safetensors").write_text("the only copy")
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002" / ".metadata").write_text("the only copy")
     proc = launch("recipe=tiny_llama", f"run.dir={run_dir}", f"resume={run_dir}", "run.overwrite=true")
     assert proc.returncode == 2
     assert "resume=" in proc.stderr and "own run.dir" in proc.stderr
-    assert (run_dir / "checkpoints" / "step_00000002.safetensors").read_text() == "the only copy"
+    assert (run_dir / "checkpoints" / "step_00000002" / ".metadata").read_text() == "the only copy"
 
 
 def test_missing_recipe_is_refused(launch, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,11 +112,12 @@ def test_preemption_stops_cleanly_with_a_final_checkpoint_and_the_run_resumes(tm
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "stopped"
     stopped_at = summary["steps"]
-    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*.safetensors"))
-    assert [c.name for c in checkpoints] == [f"step_{stopped_at:08d}.safetensors"]
-    # A newer checkpoint that is damaged (here: cut short) is skipped, with an event, for the newest usable one.
-    damaged = checkpoints[0].with_name(f"step_{stopped_at + 1:08d}.safetensors")
-    damaged.write_bytes(checkpoints[0].read_bytes()[:1000])
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert [c.name for c in checkpoints] == [f"step_{stopped_at:08d}"]
+    # A newer checkpoint that is damaged (here: its data cut short) is skipped, with an event, for the newest usable one.
+    damaged = shutil.copytree(checkpoints[0], checkpoints[0].with_name(f"step_{stopped_at + 1:08d}"))
+    for data in damaged.glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:1000])
 
     resumed = launch(
         "recipe=tiny_llama",
@@ -165,5 +167,5 @@ def test_agents_without_a_coordinator_for_its_timeout_stop_their_workers_at_a_st
     wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout_s=15, what="workers to stop")
     stopped = [e for e in read_events(run_dir / "events") if e["event"] == "stopped"]
     assert len(stopped) == 2 and len({e["step"] for e in stopped}) == 1  # together, at one step boundary
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))
-    assert [c.name for c in checkpoints] == [f"step_{stopped[0]['step']:08d}.safetensors"]
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert [c.name for c in checkpoints] == [f"step_{stopped[0]['step']:08d}"]

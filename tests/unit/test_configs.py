@@ -267,7 +267,6 @@ def test_impossible_clusters_and_host_faults_are_refused(overrides, field):
             ["cluster.nproc=4", "trainer.micro_batch_size=4", "parallel.shard=2", "parallel.replicate=3"],
             "parallel.replicate=3 = 6",
         ),
-        (["parallel.shard=2", "ft.checkpoint_every=5"], "disk checkpoints of sharded state"),
     ],
 )
 def test_impossible_layouts_are_refused_when_composing(overrides, field):

@@ -421,22 +421,56 @@ def test_only_the_newest_checkpoints_are_kept_and_a_corrupt_newest_one_is_skippe
             tensor.add_(1)
         checkpointer.save(state, step=step)
         written[step] = {name: t.clone() for name, t in state.items()}
-    assert sorted(p.name for p in directory.iterdir()) == ["step_00000002.safetensors", "step_00000003.safetensors"]
-    newest = directory / "step_00000003.safetensors"
-    data = bytearray(newest.read_bytes())
-    data[-1] ^= 0xFF  # one bit pattern of the last tensor's bytes: the file still parses, the checksum fails
-    newest.write_bytes(bytes(data))
+    assert sorted(p.name for p in directory.iterdir()) == ["step_00000002", "step_00000003"]
+    newest = directory / "step_00000003"
+    (data_file,) = newest.glob("*.distcp")
+    data = bytearray(data_file.read_bytes())
+    at = data.find(state["layers.0.weight"].numpy().tobytes())
+    assert at >= 0
+    data[at + 5] ^= 0x10  # one bit of one parameter: the files still parse, the sums do not match
+    data_file.write_bytes(bytes(data))
     target = {name: torch.zeros_like(t) for name, t in state.items()}
     step, path = load_latest_checkpoint(directory, target, events=events)
-    assert (step, path.name) == (2, "step_00000002.safetensors")
+    assert (step, path.name) == (2, "step_00000002")
     torch.testing.assert_close(target, written[2], rtol=0, atol=0)
     skipped = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint_skipped"]
     assert [e["path"] for e in skipped] == [str(newest)] and "corrupt" in skipped[0]["reason"]
-    # Nothing usable is an error naming every file; no checkpoint at all is None.
-    (directory / "step_00000002.safetensors").write_bytes(b"truncated")
-    with pytest.raises(NoUsableCheckpoint, match="step_00000002.*step_00000003|step_00000003.*step_00000002"):
+    # Another model's state is refused by name and shape; nothing usable is an error naming every checkpoint.
+    with pytest.raises(NoUsableCheckpoint, match="different model"):
+        load_latest_checkpoint(directory, {**target, "layers.0.bias": torch.zeros(5)})
+    (directory / "step_00000002" / ".metadata").write_bytes(b"truncated")
+    with pytest.raises(NoUsableCheckpoint, match="step_00000003.*step_00000002"):
         load_latest_checkpoint(directory, target)
     assert load_latest_checkpoint(tmp_path / "none", target) is None
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step_and_a_failed_one_leaves_no_checkpoint(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl", worker="worker0")
+    directory = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(directory, events=events, background=True)
+    state = sample_state()
+    saved = {name: t.clone() for name, t in state.items()}
+    checkpointer.save(state, step=4)
+    for tensor in state.values():
+        tensor.add_(1)  # training goes on while the write runs
+    checkpointer.wait()
+    target = {name: torch.zeros_like(t) for name, t in state.items()}
+    assert load_latest_checkpoint(directory, target)[0] == 4
+    torch.testing.assert_close(target, saved, rtol=0, atol=0)
+    (directory / ".step_00000005.partial").write_text("a file where the write needs a directory")
+    checkpointer.save(state, step=5)
+    checkpointer.wait()
+    failed = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [5] and [p.name for p in directory.glob("step_*")] == ["step_00000004"]
+
+
+def test_slices_sums_add_up_to_the_whole_tensors_sums():
+    from ckptless_core.checksum import tensor_sums
+
+    tensor = torch.randn(7, 5)
+    parts = tensor_sums(tensor[:3].contiguous()) + tensor_sums(tensor[3:].contiguous(), offset=3 * 5)
+    assert torch.equal(parts, tensor_sums(tensor))
+    assert not torch.equal(tensor_sums(tensor[3:].contiguous()) + tensor_sums(tensor[:3].contiguous()), parts)
 
 
 def test_auto_checkpoint_schedule_is_young_daly_from_the_measured_costs_and_is_kept(tmp_path):
@@ -447,7 +481,16 @@ def test_auto_checkpoint_schedule_is_young_daly_from_the_measured_costs_and_is_k
     schedule.observe_write(0.5)
     for step_s in (3.0, 0.1, 0.1, 0.1, 0.1, 0.1):  # the first step (warm-up) is left out of the median
         schedule.observe_step(step_s)
+    assert schedule.every_steps is None and schedule.proposal["every_steps"] == 200
+    # Every rank agrees on one interval: the largest proposal (a rank without one offers 0).
+    newcomer = CheckpointSchedule("auto", mtbf_s=400.0, directory=tmp_path / "ckpt", events=events)
+    offered = []
+    newcomer.agree(lambda mine: offered.append(mine) or 0)
+    assert offered == [0] and newcomer.every_steps is None
+    schedule.agree(lambda mine: max(mine, 150))
     assert schedule.every_steps == 200 and schedule.due(400) and not schedule.due(401)
+    newcomer.agree(lambda mine: pytest.fail("decided already: read from schedule.json"))
+    assert newcomer.every_steps == 200
     # A restarted job reads the decision instead of measuring again.
     again = CheckpointSchedule("auto", mtbf_s=400.0, directory=tmp_path / "ckpt", events=events)
     assert again.every_steps == 200 and not again.needs_write_cost
