@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless_core.agent_link import AgentLink
-from ckptless_core.checkpoint import Checkpointer, load_latest_checkpoint
+from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs, load_latest_checkpoint
 from ckptless_core.checksum import state_checksum
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
@@ -315,27 +315,38 @@ class Replica:
 
     def _verify_replicas(self, *, step: int) -> None:
         """Compare the state's checksum (`checksum.state_checksum`, on the device: it catches flipped bits and
-        swapped elements) across the copies of each slice of the state. The value most copies hold wins (ties: the lowest rank's); a rank holding another is
-        marked untrusted, so the recovery that follows gives it a healthy copy instead of letting it train on
-        corrupt state."""
+        swapped elements) across the copies of each slice of the state. Where most copies agree, they win: a rank
+        holding another value is marked untrusted, so the recovery that follows gives it a healthy copy instead of
+        letting it train on corrupt state. Where no value has a majority (two copies that differ), nothing tells
+        which is right: the whole job rolls back to the newest disk checkpoint (every rank untrusted: each loads its
+        slices of it, all at one step) when every rank sees one, else the lowest rank's copy wins. The event says
+        which (`resolution`)."""
         if self.world_size == self.layout.shard:  # one copy: nothing to compare it with
             return
-        mine = torch.tensor([state_checksum(self.tensors.values())], dtype=torch.int64)
+        has_checkpoint = self.checkpoint_dir is not None and bool(checkpoint_dirs(self.checkpoint_dir))
+        mine = torch.tensor([state_checksum(self.tensors.values()), int(has_checkpoint)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         # Waited for as the step's collectives are: a host lost meanwhile must not hold the survivors here for the
         # whole collective timeout.
         self.collective("replica check", lambda: dist.all_gather(everyone, mine, async_op=True))
-        values = [int(v) for v in everyone]
-        outliers = []
+        values = [int(v[0]) for v in everyone]
+        outliers, undecided = [], False
         for index in range(self.layout.shard):  # each slice against its own copies
             ranks = [r for r in range(self.world_size) if self.layout.shard_index(r) == index]
             copies = [values[r] for r in ranks]
             majority = max(copies, key=lambda v: (copies.count(v), -copies.index(v)))
             outliers += [r for r in ranks if values[r] != majority]
+            undecided |= copies.count(majority) * 2 <= len(copies)
         if outliers:
-            self.events.emit("divergence_detected", step=step, outlier_ranks=outliers)
-            self.valid = self.rank not in outliers
-            raise ReplicaDivergence(f"replica checksums disagree after step {step}: ranks {outliers} differ")
+            if not undecided:
+                resolution = "majority"
+            else:  # every rank decides alike: on what every rank saw
+                resolution = "checkpoint" if all(int(v[1]) for v in everyone) else "lowest_rank"
+            self.events.emit("divergence_detected", step=step, outlier_ranks=outliers, resolution=resolution)
+            self.valid = resolution != "checkpoint" and self.rank not in outliers
+            raise ReplicaDivergence(
+                f"replica checksums disagree after step {step}: ranks {outliers} differ ({resolution} decides)"
+            )
 
     @contextlib.contextmanager
     def critical_section(self):

@@ -230,15 +230,16 @@ def test_nothing_leaks_over_twenty_recoveries(launch, tmp_path):
     assert len(store_keys) == 21 and max(store_keys[5:]) - min(store_keys[5:]) <= 2
 
 
-def test_silent_corruption_is_caught_by_the_replica_check_and_repaired(run):
+def test_silent_corruption_is_caught_by_the_replica_check_and_the_majority_repairs_it_bitwise(run, fault_free):
+    # Three copies: the two that agree outvote the corrupted one, even when it is the lowest rank's.
     proc, run_dir = run(
-        "corrupt", *TWO, "ft.check_every=2", "fault=corrupt", "fault.rank=1", f"fault.step={FAULT_STEP}"
+        "corrupt", *THREE, "ft.check_every=2", "fault=corrupt", "fault.rank=0", f"fault.step={FAULT_STEP}"
     )
     assert proc.returncode == 0, proc.stdout[-2000:]
     summary = read_summary(run_dir)
-    assert summary["status"] == "completed"  # the replicas agree again at the end
+    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free(THREE)
     divergence = [e for e in read_events(run_dir / "events") if e["event"] == "divergence_detected"]
-    assert divergence and divergence[0]["outlier_ranks"] == [1]
+    assert divergence and divergence[0]["outlier_ranks"] == [0] and divergence[0]["resolution"] == "majority"
     assert summary["recoveries"] and summary["recoveries"][0]["bytes_moved"] > 0
 
 
@@ -496,6 +497,29 @@ def test_a_corrupted_slice_is_caught_against_its_own_copy_and_repaired_from_it(r
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert read_summary(run_dir)["status"] == "completed"
     divergence = [e for e in read_events(run_dir / "events") if e["event"] == "divergence_detected"]
-    assert divergence and all(e["outlier_ranks"] == [3] for e in divergence)
+    assert divergence and all(e["outlier_ranks"] == [3] and e["resolution"] == "lowest_rank" for e in divergence)
     transfers = [e for e in read_events(run_dir / "events") if e.get("phase") == "transfer" and e["bytes_moved"]]
     assert transfers and {(e["rank"], tuple(e["receivers"])) for e in transfers} == {(1, (3,))}
+
+
+def test_two_copies_that_differ_roll_the_job_back_to_the_disk_checkpoint_bitwise(run, fault_free):
+    # Rank 1 corrupted: the lowest-rank rule would keep its copy. With a checkpoint on disk every rank loads its
+    # slices of it instead (the state checked every step, so the checkpoint was checked before it was written),
+    # the steps since are redone, and the run ends with the bits of a run without the fault.
+    proc, run_dir = run(
+        "sharded-rollback",
+        *SHARDED,
+        "ft.check_every=1",
+        "ft.checkpoint_every=5",
+        "fault=corrupt",
+        "fault.rank=1",
+        f"fault.step={FAULT_STEP}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free(SHARDED)
+    events = read_events(run_dir / "events")
+    divergence = [e for e in events if e["event"] == "divergence_detected"]
+    assert divergence and all(e["outlier_ranks"] == [3] and e["resolution"] == "checkpoint" for e in divergence)
+    fallbacks = [e for e in events if e["event"] == "checkpoint_fallback"]
+    assert sorted(e["rank"] for e in fallbacks) == [0, 1, 2, 3] and all(e["step"] == 10 for e in fallbacks)
