@@ -35,10 +35,10 @@ def report_from_events(
     committed = [e for e in events if e["event"] == "step_committed"]
     if not committed:
         raise ValueError("the run committed no step: there is no training phase to report on")
-    started_at = min(e["t"] for e in events if e["event"] == "train_start")
-    ended_at = max(e["t"] for e in committed)
+    first = min((e for e in events if e["event"] == "train_start"), key=lambda e: e["t"])
+    started_at, ended_at = first["t"], max(e["t"] for e in committed)
     wall_s = ended_at - started_at
-    steps = max(e["step"] for e in committed)
+    steps = max(e["step"] for e in committed) - first.get("step", 0)  # a resumed run starts past step 0
     measured_step_s = fault_free_step_s(events)
     step_s = measured_step_s if step_s is None else step_s
     productive_s = steps * step_s

@@ -163,6 +163,13 @@ def test_given_fault_free_step_time_is_used():
     assert report["goodput"] == pytest.approx(10 * 0.9 / 12)
 
 
+def test_a_resumed_run_counts_only_the_steps_it_trained():
+    """Resumed at step 10, steps 11-15 commit at 101..105: 5 steps x 0.9 s in 5 s of training."""
+    events = [ev(100.0, "train_start", "worker0", step=10), *steps("worker0", 11, 15, t0=101.0, generation=1)]
+    report = report_from_events(events, mode="ckptless", world_size=1, spares=0, step_s=0.9)
+    assert report["steps"] == 5 and report["goodput"] == pytest.approx(5 * 0.9 / 5)
+
+
 def write_run(run_dir: Path, events: list[dict], *, mode: str) -> Path:
     (run_dir / "events").mkdir(parents=True)
     job = JobConfig()
