@@ -191,8 +191,10 @@ class Replica:
         self.valid = not self.env.spare
         self._join_until_done(generation, detected_at=time.time())
 
-    def run_step(self, step_fn: Callable[[int], T]) -> T:
-        """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again."""
+    def run_step(self, step_fn: Callable[[int], T], *, check: bool = False) -> T:
+        """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again. The copies
+        of the state are compared after every `check_every`-th step, and after this one if `check` (a disk
+        checkpoint of it comes next: it then holds checked state)."""
         while True:
             if self.link is not None and self.link.stop_at is not None and self.step >= self.link.stop_at:
                 raise StopRequested(f"stop requested before step {self.step + 1}")
@@ -212,7 +214,7 @@ class Replica:
             if self.replay is not None and self.step >= self.replay[0]:
                 self._phase("replay", started_at=self.replay[1], step=self.step)
                 self.replay = None
-            if self.fault_tolerant and self.check_every and self.step % self.check_every == 0:
+            if self.fault_tolerant and self.check_every and (check or self.step % self.check_every == 0):
                 try:
                     self._verify_replicas(step=self.step)
                 except Exception as error:

@@ -234,7 +234,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
             schedule.observe_write(replica.save_checkpoint(background=False))  # the workers started with the job
         while replica.step < job.trainer.max_steps:
             step_start = time.perf_counter()
-            result = replica.run_step(step_fn)
+            result = replica.run_step(step_fn, check=schedule is not None and schedule.due(replica.step + 1))
             step_s = _since(step_start)
             events.emit(
                 "step_committed",
