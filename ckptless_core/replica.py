@@ -538,12 +538,15 @@ class Replica:
         exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
         prefix = f"{generation.store_prefix}/joined"
         self.store.add(prefix, 1)
-        deadline = time.monotonic() + self.recovery_timeout_s
+        # A member may still be held by the previous generation's process group, whose connect to a peer lost while
+        # it formed cannot be cut short (up to the collective timeout): waiting less would fail a healthy spare.
+        deadline = time.monotonic() + self.recovery_timeout_s + self.collective_timeout_s
         while int(self.store.add(prefix, 0)) < generation.world_size:
             if self.link is not None and self.link.generation.number != generation.number:
                 raise GenerationChanged(f"generation {generation.number} was superseded while forming")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {generation.number} did not form within {self.recovery_timeout_s} s")
+                waited_s = self.recovery_timeout_s + self.collective_timeout_s
+                raise TimeoutError(f"generation {generation.number} did not form within {waited_s:.0f} s")
             time.sleep(0.005)
 
     def _wait_for_membership(self, *, newer_than: int, timeout_s: float | None) -> Generation:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -119,6 +120,11 @@ def validate(job: JobConfig) -> None:
         raise ConfigError(f"cluster.backend={cluster.backend!r}: choose one of {list(VALID_BACKENDS)}")
     if cluster.backend == "nccl" and not _cuda_available():
         raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks; use cluster.backend=gloo")
+    if job.trainer.compile and not any(map(shutil.which, ("cc", "gcc", "c++"))):
+        raise ConfigError(
+            "trainer.compile=true needs a C compiler for torch.compile's kernels (inductor; Triton's launchers on a "
+            "GPU), and none is on PATH: install gcc, or set trainer.compile=false"
+        )
     if cluster.threads_per_worker < 0:
         raise ConfigError(f"cluster.threads_per_worker={cluster.threads_per_worker} must be 0 (auto) or more")
     validate_optim(job.optim)

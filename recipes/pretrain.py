@@ -41,6 +41,7 @@ from recipes.parallel import (
     clip_grads,
     copy_local_state,
     copy_optimizer_state,
+    decoder_blocks,
     device_mesh,
     full_state_dict,
     grad_norm,
@@ -113,11 +114,14 @@ def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
 
 
 def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
-    """The recipe's model in training mode, with activation checkpointing where configured."""
+    """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured."""
     model = build_model(job.model, device=device)
     model.train()
     if job.trainer.activation_checkpointing:
         model.activation_checkpointing_enable()
+    if job.trainer.compile:
+        for block in decoder_blocks(model):
+            block.compile()  # in place: FSDP2's hooks, and the state's tensors, stay on the same module
     return model
 
 

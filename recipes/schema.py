@@ -75,6 +75,9 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them: less memory for
     about a third more compute."""
+    compile: bool = False
+    """`torch.compile` each decoder block: the first step compiles them (a spare compiles while it warms up; a
+    sharded job compiles its fresh model again in each generation's rebuild)."""
     log_every: int = 1
     """Write a `metrics.jsonl` line every this many steps."""
     print_every: int = 10

@@ -287,3 +287,11 @@ def test_a_shard_count_larger_than_a_parameter_is_refused_by_the_plan():
     job.parallel.shard = 256  # more shards than the 64 rows of tiny_llama's key and value projections
     with pytest.raises(ValueError, match=r"parallel.shard=256 is more than .*k_proj.* can be split into .*at most 64"):
         build_plan(job)
+
+
+def test_compile_without_a_c_compiler_on_path_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no compiler on it
+    with pytest.raises(ConfigError, match="trainer.compile=true needs a C compiler"):
+        compose_job(["recipe=tiny_llama", "trainer.compile=true"])
+    monkeypatch.undo()
+    assert compose_job(["recipe=tiny_llama", "trainer.compile=true"]).job.trainer.compile
