@@ -523,3 +523,10 @@ def test_two_copies_that_differ_roll_the_job_back_to_the_disk_checkpoint_bitwise
     assert divergence and all(e["outlier_ranks"] == [3] and e["resolution"] == "checkpoint" for e in divergence)
     fallbacks = [e for e in events if e["event"] == "checkpoint_fallback"]
     assert sorted(e["rank"] for e in fallbacks) == [0, 1, 2, 3] and all(e["step"] == 10 for e in fallbacks)
+
+
+def test_with_compiled_blocks_a_killed_worker_recovers_bitwise(run, fault_free):
+    """`trainer.compile`: the spare compiles while it warms up; the run equals the fault-free compiled run."""
+    compiled = (*TWO, "trainer.compile=true")
+    proc, run_dir = run("compiled-kill", *compiled, "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}")
+    assert_recovered(proc, run_dir, expected_hash=fault_free(compiled), failures=1)
