@@ -490,7 +490,7 @@ class Replica:
             generation=self.generation.number,
             duration_s=ended_at - started_at,
             **fields,
-            **_resources(),
+            **process_resources(),
         )
 
     def _restore_from_checkpoint(self, error: NoHealthyReplica) -> TransferResult:
@@ -616,14 +616,19 @@ class Replica:
         )
 
 
-def _resources() -> dict[str, int]:
-    """Open files and threads of this process: recorded with each recovery phase to show nothing leaks."""
+def process_resources() -> dict[str, int]:
+    """Open files, threads and memory (resident now, and its peak) of this process: recorded with each recovery
+    phase to show nothing leaks, and at the end of training."""
     import os
 
     try:
         open_files = len(os.listdir("/proc/self/fd"))
-        status = open("/proc/self/status").read()
-        threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
-    except (OSError, StopIteration):
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    except OSError:
         return {}
-    return {"open_files": open_files, "threads": threads}
+    return {
+        "open_files": open_files,
+        "threads": int(status["Threads"]),
+        "rss_bytes": int(status["VmRSS"].split()[0]) * 1024,
+        "peak_rss_bytes": int(status["VmHWM"].split()[0]) * 1024,
+    }

@@ -77,14 +77,74 @@ def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> t
             config.pretrained, config=hf_config, local_files_only=True, dtype=torch.float32
         )
         return model.to(device)
-    with torch.device(device):
+    with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         except _rejections() as error:
             field = "model.hf_config" if config.pretrained is None else f"model.pretrained={config.pretrained!r}"
             raise ValueError(
                 f"{field}: transformers cannot build the model ({type(hf_config).__name__}): {_reason(error)}"
             ) from error
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()  # (to_empty unties them)
+    whole = dict(named_tensors(model))
+    init_weights(model, lambda name, tensor: whole[name].copy_(tensor))
+    return model
+
+
+def init_weights(model: torch.nn.Module, sink) -> None:
+    """Initialise `model`'s weights as transformers does (`initialize_weights`: each module's `_init_weights`,
+    children before parents), one module at a time on the CPU, whatever device the model is on (the meta device: a
+    model to be sharded holds nothing whole): each module's own parameters and buffers are made, initialised, and
+    handed to `sink(name, tensor)` (a name of every module that holds it), then dropped. Peak memory: one module (a
+    tensor several modules share is kept until the last has been initialised). Every layout's first weights are
+    these, so a sharded and an unsharded job of the same seed start alike."""
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    names: dict[int, list[str]] = {}
+    for name, tensor in named_tensors(model):
+        names.setdefault(id(tensor), []).append(name)
+    holders = {key: len(held) for key, held in names.items()}
+    kept: dict[int, torch.Tensor] = {}
+    custom = model.is_custom_code()
+
+    def visit(module: torch.nn.Module, initialize) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize)
+        originals = []
+        for slots in (module._parameters, module._buffers):
+            for key, tensor in slots.items():
+                if tensor is None:
+                    continue
+                made = kept.get(id(tensor))
+                if made is None:
+                    made = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # whole, of a DTensor too
+                    if isinstance(tensor, torch.nn.Parameter):
+                        made = torch.nn.Parameter(made, requires_grad=tensor.requires_grad)
+                originals.append((slots, key, tensor))
+                slots[key] = made
+        initialize(module, custom)
+        for slots, key, tensor in originals:
+            made, slots[key] = slots[key], tensor
+            holders[id(tensor)] -= 1
+            if holders[id(tensor)]:  # another module holds it too: initialised again there, perhaps
+                kept[id(tensor)] = made
+                continue
+            kept.pop(id(tensor), None)
+            for name in names[id(tensor)]:
+                sink(name, made.detach())
+
+    with torch.no_grad(), guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
+def named_tensors(model: torch.nn.Module):
+    """Every (name, parameter or buffer), a shared one under each of its names."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
 
 
 def _rejections() -> tuple[type[BaseException], ...]:

@@ -84,10 +84,10 @@ def clip_grads(model: torch.nn.Module, max_norm: float, norm: torch.Tensor) -> N
 
 @torch.no_grad()
 def copy_local_state(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Parameters and buffers (persistent or not) of `source` into `target`, by name: see `_copy_slice`."""
+    """Parameters and buffers (persistent or not) of `source` into `target`, by name: see `copy_slice`."""
     targets = dict(target.named_parameters()) | dict(target.named_buffers())
     for name, tensor in [*source.named_parameters(), *source.named_buffers()]:
-        _copy_slice(tensor, into=targets[name])
+        copy_slice(tensor, into=targets[name])
 
 
 @torch.no_grad()
@@ -97,10 +97,10 @@ def copy_optimizer_state(source: torch.optim.Optimizer, target: torch.optim.Opti
     targets = [p for group in target.param_groups for p in group["params"]]
     for old, new in zip(sources, targets, strict=True):
         for key, value in source.state[old].items():
-            _copy_slice(value, into=target.state[new][key])
+            copy_slice(value, into=target.state[new][key])
 
 
-def _copy_slice(source: torch.Tensor, *, into: torch.Tensor) -> None:
+def copy_slice(source: torch.Tensor, *, into: torch.Tensor) -> None:
     """This rank's slice of `source` into `into`'s local tensor: a sharded source's local shard as it is (the same
     shard index, so the same shape), a whole one cut as `into` is sharded (no communication)."""
     if isinstance(into, DTensor) and not isinstance(source, DTensor):

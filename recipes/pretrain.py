@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ckptless_core.checkpoint import Checkpointer, load_latest_checkpoint
+from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
@@ -30,17 +30,18 @@ from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
-from ckptless_core.replica import Replica, StopRequested, TrainingCodeError
+from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, process_resources
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
 from recipes.metrics import MetricsLog
-from recipes.model import build_hf_config, build_model
+from recipes.model import build_hf_config, build_model, init_weights, named_tensors
 from recipes.optim import build_optimizer, set_lr
 from recipes.parallel import (
     clip_grads,
     copy_local_state,
     copy_optimizer_state,
+    copy_slice,
     decoder_blocks,
     device_mesh,
     full_state_dict,
@@ -98,19 +99,21 @@ class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     grads: FlatGradients | None
+    device: torch.device
     shard_group: dist.ProcessGroup | None = None
     """Sharded: the ranks of this rank's replica group (the gradient norm sums over them)."""
 
 
-def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
+def build_train_state(job: JobConfig, *, device: torch.device, whole: bool = True) -> TrainState:
     """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
-    model to be sharded is built whole here too, and sharded once the first generation's ranks are known."""
+    model to be sharded is built on the meta device unless `whole` (its weights come from files, read whole), and
+    is sharded, its slice initialised, once the first generation's ranks are known (`reshard_train_state`)."""
     torch.manual_seed(job.seed)
-    model = training_model(job, device=device)
+    model = training_model(job, device=device if whole or job.parallel.shard == 1 else "meta")
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
     grads = FlatGradients(model.parameters()) if job.parallel.shard == 1 else None
-    return TrainState(model=model, optimizer=optimizer, grads=grads)
+    return TrainState(model=model, optimizer=optimizer, grads=grads, device=device)
 
 
 def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
@@ -127,17 +130,22 @@ def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Mo
 
 def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
     """Shard a fresh model and optimizer over the current generation's ranks (built on the meta device, then
-    allocated) and copy this rank's slice of the current ones in: from a whole model (the first generation)
-    its shard index's slice, from a sharded one its local shards (see `recipes.parallel`)."""
-    device = next(state.model.parameters()).device
-    mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=device.type)
+    allocated) and give it this rank's slice of the current state: of a sharded model its local shards, of a whole
+    one (read from files) its shard index's slice (see `recipes.parallel`); a model still on the meta device (the
+    first generation) has its slice initialised, module by module, as the whole model would be (`init_weights`)."""
+    mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=state.device.type)
     model = training_model(job, device="meta")
     shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")
-    model.to_empty(device=device)
-    copy_local_state(state.model, model)
+    model.to_empty(device=state.device)
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
-    copy_optimizer_state(state.optimizer, optimizer)
+    if next(state.model.parameters()).is_meta:
+        torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
+        targets = dict(named_tensors(model))
+        init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]))
+    else:
+        copy_local_state(state.model, model)
+        copy_optimizer_state(state.optimizer, optimizer)
     state.model, state.optimizer, state.shard_group = model, optimizer, mesh["shard"].get_group()
 
 
@@ -180,7 +188,7 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
     """One forward and backward on the first micro-batch, then the gradients cleared: a hot spare does this before
     it waits, so the step it replays when promoted does not pay first-call costs (allocations, lazy initialization).
     Parameters and optimizer state are untouched."""
-    device = next(state.model.parameters()).device
+    device = state.device
     batch = sampler.batch(0, micro_batches(job, rank=0, world_size=1)[0]).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
         logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
@@ -193,7 +201,7 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
 
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
-    state = build_train_state(job, device=device)
+    state = build_train_state(job, device=device, whole=_reads_weights(job, run_dir))
 
     def instrument(model: torch.nn.Module) -> None:
         install_fault_handlers(model, faults=job.fault.events(), replica=replica)
@@ -201,7 +209,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
 
     instrument(state.model)
     sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
-    if replica.env.spare:
+    if replica.env.spare and not next(state.model.parameters()).is_meta:
         warm_up(state, sampler=sampler, job=job)
     replica.attach(state_tensors(state.model, state.optimizer))
     if job.parallel.shard > 1:
@@ -273,7 +281,13 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     if replica.rank == 0:
         _save_weights(weights, run_dir / "model.safetensors")
     events.emit(
-        "train_end", step=replica.step, final_loss=result["loss"], param_sha256=digest, world_size=replica.world_size
+        "train_end",
+        step=replica.step,
+        final_loss=result["loss"],
+        param_sha256=digest,
+        world_size=replica.world_size,
+        state_bytes=sum(t.numel() * t.element_size() for t in replica.tensors.values()),  # this rank's slice
+        **process_resources(),
     )
 
 
@@ -289,6 +303,13 @@ def _checkpointing(
         Checkpointer(directory, events=events, background=background, keep=job.ft.keep_checkpoints),
         CheckpointSchedule(job.ft.checkpoint_every, mtbf_s=job.ft.mtbf_s, directory=directory, events=events),
     )
+
+
+def _reads_weights(job: JobConfig, run_dir: Path) -> bool:
+    """Whether the worker starts from weights in files (a pretrained model, or a checkpoint `_restore` loads),
+    which are read into whole tensors."""
+    restarted = job.ft.mode == "checkpoint_restart" and bool(checkpoint_dirs(run_dir / "checkpoints"))
+    return job.model.pretrained is not None or job.resume is not None or restarted
 
 
 def _restore(

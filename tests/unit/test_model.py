@@ -1,12 +1,41 @@
-"""The training model's options: activation checkpointing keeps less for the backward and computes the same."""
+"""The training model: its initialisation module by module (what a sharded job does on the meta device) is
+transformers' own, and activation checkpointing keeps less for the backward and computes the same."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from launcher.compose import compose_job
+from recipes.model import build_hf_config, build_model, init_weights, named_tensors
 from recipes.pretrain import training_model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["recipe=tiny_llama"], ["recipe=tiny_gpt_oss"], ["recipe=tiny_llama", "model.hf_config.tie_word_embeddings=true"]],
+)
+def test_module_by_module_initialisation_is_transformers_own_without_a_whole_model(overrides):
+    from transformers import AutoModelForCausalLM
+
+    job = compose_job(overrides).job
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(build_hf_config(job.model), dtype=torch.float32)
+    reference.to_empty(device="cpu")
+    reference.tie_weights()
+    reference.initialize_weights()  # transformers' initialisation of a whole model
+    torch.manual_seed(3)
+    on_meta, received = build_model(job.model, device="meta"), {}
+    init_weights(on_meta, lambda name, tensor: received.setdefault(name, tensor.clone()))
+    expected = dict(named_tensors(reference))
+    assert received.keys() == expected.keys()  # each name once, buffers (the rotary frequencies) among them
+    assert all(torch.equal(received[name], expected[name]) for name in expected)
+    assert all(t.is_meta for _, t in named_tensors(on_meta))  # nothing of it was kept
+    torch.manual_seed(3)
+    whole = build_model(job.model, device="cpu")  # what an unsharded job starts from
+    assert all(torch.equal(t, expected[name]) for name, t in named_tensors(whole))
 
 
 def loss_grads_and_saved_bytes(*overrides: str) -> tuple[torch.Tensor, list[torch.Tensor], int]:
