@@ -65,8 +65,10 @@ def main() -> int:
     lines += [
         "",
         "State: this rank's slice of the weights and AdamW state (target: 1 / shard = 0.50). Resident memory adds the",
-        "interpreter, torch and transformers (~0.3 GiB a process here), gradients, activations and buffers; its peak",
-        "also holds the whole model, built on every rank before the first generation shards it.",
+        "interpreter, torch and transformers (~0.3 GiB a process here), gradients, activations, and, sharded, what",
+        "FSDP2 gathers whole while a block computes, in memory the CPU allocator keeps once used (not yet profiled:",
+        "why resident memory is not lower sharded). No rank builds the whole model (the first generation initialises",
+        "each slice on its own).",
     ]
     write_report(options.out, "bench_memory", result, lines)
     return 0
