@@ -66,9 +66,9 @@ def main() -> int:
         "",
         "State: this rank's slice of the weights and AdamW state (target: 1 / shard = 0.50). Resident memory adds the",
         "interpreter, torch and transformers (~0.3 GiB a process here), gradients, activations, and, sharded, what",
-        "FSDP2 gathers whole while a block computes, in memory the CPU allocator keeps once used (not yet profiled:",
-        "why resident memory is not lower sharded). No rank builds the whole model (the first generation initialises",
-        "each slice on its own).",
+        "FSDP2 gathers whole while a block computes, in memory glibc's malloc arenas keep once used (run with",
+        "MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=0 to see it returned). No rank builds the whole model (the first",
+        "generation initialises each slice on its own).",
     ]
     write_report(options.out, "bench_memory", result, lines)
     return 0
