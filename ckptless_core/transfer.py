@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ckptless_core.checksum import fold, state_checksum, tensor_sums
+from ckptless_core.checksum import fold, tensor_sums
 from ckptless_core.layout import FULL_REPLICAS, Layout
 
 
@@ -91,11 +91,6 @@ def layout_fingerprint(tensors: dict[str, torch.Tensor]) -> int:
     for name, tensor in tensors.items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
     return _int63(digest)
-
-
-def checksum(tensors: dict[str, torch.Tensor], *, step: int) -> int:
-    """The state's identity: the step and every tensor's bytes (`state_checksum`, on the tensors' device)."""
-    return state_checksum(tensors.values(), salt=step)
 
 
 def synchronize_state(
