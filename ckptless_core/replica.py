@@ -121,6 +121,10 @@ class Replica:
         """The state as checkpoints hold it (`transfer.checkpoint_state`: a sharded tensor as its DTensor); None:
         `tensors`."""
         self.checkpoint_group: dist.ProcessGroup | None = None
+        self.restore_from: Path | None = None
+        """Checkpoints the job's state starts from (a resumed run's; this run's own after a checkpoint-restart): as
+        the first generation forms, each rank loads its slices of the newest usable one (a sharded rank reads only
+        its own) instead of trusting the state it built."""
         self.marker_interval_s = heartbeat_interval_s
         """How often a main thread waiting in a collective renews its `collective_waiting` marker."""
         self._pending: list = []
@@ -186,9 +190,9 @@ class Replica:
             generation = self._wait_for_membership(newer_than=0, timeout_s=None)
         else:
             generation = self._standalone_generation()
-        # A promoted spare holds a skeleton, not the state; the workers started with the job hold it (same seed,
-        # or the same resumed checkpoint) even if a failure moved the job past generation 1 while they started.
-        self.valid = not self.env.spare
+        # A promoted spare holds a skeleton, not the state; the workers started with the job hold it (same seed)
+        # even if a failure moved the job past generation 1 while they started, unless it is still to be loaded.
+        self.valid = not self.env.spare and self.restore_from is None
         self._join_until_done(generation, detected_at=time.time())
 
     def run_step(self, step_fn: Callable[[int], T], *, check: bool = False) -> T:
@@ -494,23 +498,27 @@ class Replica:
         )
 
     def _restore_from_checkpoint(self, error: NoHealthyReplica) -> TransferResult:
-        """No rank holds a trusted copy (every holder died at once): every rank loads the newest usable disk
-        checkpoint, and says so; the ranks must have loaded the same step. Without one the recovery fails."""
+        """No rank holds a trusted copy (the job starts from files, or every holder of a slice died at once): every
+        rank loads its slices of the newest usable disk checkpoint (this run's, else the one it resumed from), and
+        says so; the ranks must have loaded the same step. Without one the recovery fails."""
+        started = time.perf_counter()
+        directory = next((d for d in (self.checkpoint_dir, self.restore_from) if d and checkpoint_dirs(d)), None)
         restored = None
-        if self.checkpoint_dir is not None:
+        if directory is not None:
             state = self.checkpoint_state() if self.checkpoint_state is not None else self.tensors
             add_up = self._add_up_slices if self.layout.shard > 1 else None
             restored = load_latest_checkpoint(
-                self.checkpoint_dir,
-                state,
-                events=self.events,
-                slice_index=self.layout.shard_index(self.rank),
-                add_up=add_up,
+                directory, state, events=self.events, slice_index=self.layout.shard_index(self.rank), add_up=add_up
             )
         if restored is None:
             raise NoHealthyReplica(f"{error}, and there is no disk checkpoint to fall back to (ft.checkpoint_every)")
         self.step, path = restored
-        self.events.emit("checkpoint_fallback", generation=self.generation.number, step=self.step, path=str(path))
+        held = sum(t.numel() * t.element_size() for t in self.tensors.values())  # this rank's slices, read
+        fields = {"generation": self.generation.number, "step": self.step, "path": str(path), "bytes": held}
+        if self.restore_from is not None and self.held_slice is None and not self.env.spare:  # the job's start
+            self.events.emit("checkpoint_loaded", **fields, duration_s=time.perf_counter() - started)
+        else:
+            self.events.emit("checkpoint_fallback", **fields)
         steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(steps, torch.tensor([self.step], dtype=torch.int64))
         if len({int(s) for s in steps}) != 1:

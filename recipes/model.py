@@ -94,13 +94,14 @@ def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> t
     return model
 
 
-def init_weights(model: torch.nn.Module, sink) -> None:
+def init_weights(model: torch.nn.Module, sink, *, only=None) -> None:
     """Initialise `model`'s weights as transformers does (`initialize_weights`: each module's `_init_weights`,
     children before parents), one module at a time on the CPU, whatever device the model is on (the meta device: a
     model to be sharded holds nothing whole): each module's own parameters and buffers are made, initialised, and
     handed to `sink(name, tensor)` (a name of every module that holds it), then dropped. Peak memory: one module (a
     tensor several modules share is kept until the last has been initialised). Every layout's first weights are
-    these, so a sharded and an unsharded job of the same seed start alike."""
+    these, so a sharded and an unsharded job of the same seed start alike. `only(module)`, if given, picks the
+    modules to initialise (the others' tensors are left as they are)."""
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions
 
@@ -114,6 +115,8 @@ def init_weights(model: torch.nn.Module, sink) -> None:
     def visit(module: torch.nn.Module, initialize) -> None:
         for child in module.children():
             visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize)
+        if only is not None and not only(module):
+            return
         originals = []
         for slots in (module._parameters, module._buffers):
             for key, tensor in slots.items():

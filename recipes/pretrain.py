@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs, load_latest_checkpoint
+from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs
 from ckptless_core.checkpoint_schedule import CheckpointSchedule
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
@@ -106,7 +106,7 @@ class TrainState:
 
 def build_train_state(job: JobConfig, *, device: torch.device, whole: bool = True) -> TrainState:
     """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
-    model to be sharded is built on the meta device unless `whole` (its weights come from files, read whole), and
+    model to be sharded is built on the meta device unless `whole` (a pretrained model, read whole from its files), and
     is sharded, its slice initialised, once the first generation's ranks are known (`reshard_train_state`)."""
     torch.manual_seed(job.seed)
     model = training_model(job, device=device if whole or job.parallel.shard == 1 else "meta")
@@ -142,7 +142,10 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     if next(state.model.parameters()).is_meta:
         torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
         targets = dict(named_tensors(model))
-        init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]))
+        # An untrusted slice is received or read over whatever the allocation left; only what the state leaves out
+        # (non-persistent buffers: rotary frequencies) is made here.
+        only = None if replica.valid else lambda module: bool(module._non_persistent_buffers_set)
+        init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]), only=only)
     else:
         copy_local_state(state.model, model)
         copy_optimizer_state(state.optimizer, optimizer)
@@ -201,7 +204,7 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
 
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
-    state = build_train_state(job, device=device, whole=_reads_weights(job, run_dir))
+    state = build_train_state(job, device=device, whole=job.model.pretrained is not None)
 
     def instrument(model: torch.nn.Module) -> None:
         install_fault_handlers(model, faults=job.fault.events(), replica=replica)
@@ -224,11 +227,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     replica.checkpoint_state = lambda: checkpoint_state(state.model, state.optimizer)
     checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
     replica.checkpointer = checkpoints
-    started = time.perf_counter()
-    # Whole tensors here (a sharded job shards them as it joins): a checkpoint of any layout loads.
-    if (restored := _restore(job, run_dir, replica.checkpoint_state(), events=events)) is not None:
-        replica.step, path = restored
-        events.emit("checkpoint_loaded", step=replica.step, path=str(path), duration_s=_since(started))
+    replica.restore_from = _starting_checkpoints(job, run_dir)
     replica.start()  # a hot spare waits here, model built, until it is promoted
 
     def step_fn(step: int) -> dict[str, float]:
@@ -305,24 +304,13 @@ def _checkpointing(
     )
 
 
-def _reads_weights(job: JobConfig, run_dir: Path) -> bool:
-    """Whether the worker starts from weights in files (a pretrained model, or a checkpoint `_restore` loads),
-    which are read into whole tensors."""
-    restarted = job.ft.mode == "checkpoint_restart" and bool(checkpoint_dirs(run_dir / "checkpoints"))
-    return job.model.pretrained is not None or job.resume is not None or restarted
-
-
-def _restore(
-    job: JobConfig, run_dir: Path, state: dict[str, torch.Tensor], *, events: EventLog
-) -> tuple[int, Path] | None:
-    """Load the checkpoint a worker starts from, if any: under checkpoint-restart the newest usable one of this run
-    (after a restart), else the newest usable one of the run named by `resume`; returns (step, path)."""
-    if job.ft.mode == "checkpoint_restart":
-        if (restored := load_latest_checkpoint(run_dir / "checkpoints", state, events=events)) is not None:
-            return restored
-    if job.resume is not None:
-        return load_latest_checkpoint(Path(job.resume) / "checkpoints", state, events=events)
-    return None
+def _starting_checkpoints(job: JobConfig, run_dir: Path) -> Path | None:
+    """The checkpoints a worker's state starts from, if any (`Replica.restore_from`): under checkpoint-restart
+    this run's own once it has one (after a restart), else those of the run named by `resume`."""
+    own = run_dir / "checkpoints"
+    if job.ft.mode == "checkpoint_restart" and checkpoint_dirs(own):
+        return own
+    return None if job.resume is None else Path(job.resume) / "checkpoints"
 
 
 def _since(started: float) -> float:

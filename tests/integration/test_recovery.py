@@ -464,6 +464,7 @@ def test_a_sharded_checkpoint_loads_bitwise_into_other_layouts(run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [p.name for p in (written / "checkpoints").glob("step_*")] == [f"step_{STEPS:08d}"]
     expected = read_summary(written)["param_sha256"]
+    read = {}
     for shard in (2, 1):
         proc, resumed = run(
             f"resumed-shard{shard}", *TWO, f"parallel.shard={shard}", "ft.spares=0", f"resume={written}"
@@ -472,6 +473,8 @@ def test_a_sharded_checkpoint_loads_bitwise_into_other_layouts(run):
         loaded = [e for e in read_events(resumed / "events") if e["event"] == "checkpoint_loaded"]
         assert len(loaded) == 2 and all(e["step"] == STEPS for e in loaded)
         assert read_summary(resumed)["param_sha256"] == expected
+        read[shard] = max(e["bytes"] for e in loaded)
+    assert read[2] < 0.6 * read[1]  # a sharded rank reads its own slices, never the whole state
 
 
 def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(run, fault_free):
