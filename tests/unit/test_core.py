@@ -474,6 +474,28 @@ def test_slices_sums_add_up_to_the_whole_tensors_sums():
     assert not torch.equal(tensor_sums(tensor[3:].contiguous()) + tensor_sums(tensor[:3].contiguous()), parts)
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3 * 1024 + 5),  # whole rows of the float64 product, and a tail
+        torch.full((2048,), -3.4e38),  # the largest words: the product's sums must stay exact
+        torch.randint(-(2**31), 2**31 - 1, (4096,), dtype=torch.int32),
+        torch.randn(1500).to(torch.bfloat16),
+        torch.randint(-(2**62), 2**62, (1100,)),  # 8-byte words: widened to int64 instead
+    ],
+    ids=["float32", "extreme", "int32", "bfloat16", "int64"],
+)
+def test_tensor_sums_are_their_definition_word_for_word(tensor):
+    from ckptless_core.checksum import _WORD_TYPES, tensor_sums
+
+    words = [int(w) for w in tensor.view(_WORD_TYPES[tensor.element_size()]).tolist()]
+    offset = 1000
+    plain = sum(words)
+    weighted = sum(w * (offset + i + 1) for i, w in enumerate(words))
+    as_int64 = [((v + 2**63) % 2**64) - 2**63 for v in (plain, weighted)]  # wrap-around, as int64 arithmetic
+    assert tensor_sums(tensor, offset=offset).tolist() == as_int64
+
+
 def test_auto_checkpoint_schedule_is_young_daly_from_the_measured_costs_and_is_kept(tmp_path):
     """Write cost 0.5 s, MTBF 400 s: sqrt(2 x 0.5 x 400) = 20 s of work; at 0.1 s per step that is every 200 steps."""
     events = EventLog(tmp_path / "events.jsonl", worker="worker0")
