@@ -81,6 +81,10 @@ class Replica:
         self.env = env
         self.layout = layout
         self.backend = resolve_backend(backend)
+        if self.backend == "nccl" and fault_tolerant:
+            # A failed generation's communicators are aborted by this rank (`_leave_process_group`); NCCL's watchdog
+            # must then only abort too, never tear the process down (its default, 3): survivors outlive a failure.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.collective_timeout_s = collective_timeout_s
         self.recovery_timeout_s = recovery_timeout_s
         self.fault_tolerant = fault_tolerant

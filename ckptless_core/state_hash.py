@@ -11,7 +11,7 @@ import torch
 def param_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over each entry's key (UTF-8) then the raw bytes of its contiguous CPU tensor, keys sorted.
 
-    Recomputable by anyone from a saved `model.safetensors` (same keys, same dtypes).
+    Recomputable by anyone from a run's `hf/` folder: the state dict `from_pretrained` builds from it.
     """
     digest = hashlib.sha256()
     for key in sorted(state_dict):

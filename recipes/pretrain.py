@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs
 from ckptless_core.checkpoint_schedule import CheckpointSchedule
@@ -34,6 +33,7 @@ from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, pro
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
+from recipes.hf_folder import save_hf_folder
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model, init_weights, named_tensors
 from recipes.optim import build_optimizer, set_lr
@@ -278,7 +278,8 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     weights = full_state_dict(state.model)
     digest = param_sha256(weights)
     if replica.rank == 0:
-        _save_weights(weights, run_dir / "model.safetensors")
+        tokenizer = build_tokenizer(job.tokenizer) if job.tokenizer.path is not None else None
+        save_hf_folder(run_dir / "hf", weights, build_hf_config(job.model), tokenizer=tokenizer)
     events.emit(
         "train_end",
         step=replica.step,
@@ -315,13 +316,6 @@ def _starting_checkpoints(job: JobConfig, run_dir: Path) -> Path | None:
 
 def _since(started: float) -> float:
     return time.perf_counter() - started
-
-
-def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Atomic: a crash leaves either no file or a complete one. Tied tensors are stored under every key."""
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
-    os.replace(tmp, path)
 
 
 def main(config_path: str | None = None) -> int:

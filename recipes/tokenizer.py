@@ -71,6 +71,10 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eos_id])
 
+    def save_pretrained(self, directory: Path) -> None:
+        """Its files, as `AutoTokenizer.from_pretrained(directory)` reads them."""
+        self._tokenizer.save_pretrained(str(directory))
+
 
 def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
     """The byte-level tokenizer when `config.path` is null, else the Hugging Face tokenizer in that directory."""

@@ -128,6 +128,7 @@ def nccl_abort_and_rebuild() -> dict:
     import torch
     import torch.distributed as dist
 
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # as a fault-tolerant worker sets it
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
     torch.cuda.set_device(0)
     timings = {}

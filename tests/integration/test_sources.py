@@ -6,7 +6,7 @@ import json
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ckptless_core.state_hash import param_sha256
 from tests.conftest import read_metrics, read_summary
@@ -57,6 +57,10 @@ def test_pretrained_weights_tokenizer_and_dataset_files_are_used(launch, tmp_pat
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert read_summary(tmp_path / "run")["param_sha256"] == param_sha256(model.state_dict())
+    # The run's hf/ folder is a pretrained folder again: the same weights, and the tokenizer it trained with.
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", local_files_only=True)
+    assert param_sha256(again.state_dict()) == param_sha256(model.state_dict())
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "hf").encode(TEXT[:200]) == tokenizer.encode(TEXT[:200])
     # A loss near ln(vocab) means the tokens fed the model are the tokenizer's, inside its vocabulary.
     assert read_metrics(tmp_path / "run")[0]["loss"] < 1.5 * torch.log(torch.tensor(float(len(tokenizer)))).item()
 

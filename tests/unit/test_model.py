@@ -63,3 +63,27 @@ def test_activation_checkpointing_saves_less_for_the_backward_and_gives_the_same
     assert saved_ckpt < saved / 2  # only each block's input, not everything inside it
     assert torch.equal(loss, loss_ckpt)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt, strict=True))  # recomputed bit for bit
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 200_000], ids=["one file", "sharded with an index"])
+def test_the_hf_folder_opens_with_from_pretrained_and_hashes_to_the_run_fingerprint(tmp_path, max_shard_bytes):
+    from transformers import AutoModelForCausalLM
+
+    from ckptless_core.state_hash import param_sha256
+    from recipes.hf_folder import save_hf_folder
+
+    job = compose_job(["recipe=tiny_llama", "model.hf_config.tie_word_embeddings=true"]).job
+    torch.manual_seed(0)
+    model = build_model(job.model)
+    state = model.state_dict()
+    limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "stale.safetensors").write_bytes(b"an older folder is replaced whole")
+    save_hf_folder(tmp_path / "hf", state, build_hf_config(job.model), **limit)
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "config.json" in files and "generation_config.json" in files and "stale.safetensors" not in files
+    assert ("model.safetensors.index.json" in files) == (max_shard_bytes is not None)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert param_sha256(loaded.state_dict()) == param_sha256(state)
+    assert not list(tmp_path.glob("*.partial"))
