@@ -52,3 +52,27 @@ def save_hf_folder(
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(partial, directory)
+
+
+def load_hf_slices(model: torch.nn.Module, directory: Path) -> None:
+    """Read `model`'s weights in place from a Hugging Face folder's safetensors, each sharded tensor (a DTensor) only
+    its own slice (`torch.distributed.checkpoint`'s Hugging Face reader reads those rows of each file, converting
+    the dtype): no rank of a sharded job reads the whole model. A tensor the folder lacks must be tied to one it has
+    (an output layer tied to the embedding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from ckptless_core.transfer import local_tensor
+
+    reader = HuggingFaceStorageReader(str(directory))
+    stored = reader.read_metadata().state_dict_metadata
+    state = model.state_dict()
+    present = {name: tensor for name, tensor in state.items() if name in stored}
+    read = {local_tensor(tensor).data_ptr() for tensor in present.values()}
+    missing = sorted(n for n, t in state.items() if n not in stored and local_tensor(t).data_ptr() not in read)
+    if missing:
+        raise ValueError(
+            f"model.pretrained={str(directory)!r}: its safetensors lack {len(missing)} of the model's weights "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); is it the model its config.json names?"
+        )
+    dcp.load(present, storage_reader=reader, no_dist=True)

@@ -18,6 +18,11 @@ def build_hf_config(config: ModelConfig):
         path = Path(config.pretrained)
         if not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained={config.pretrained!r} is not a directory with a config.json")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(
+                f"model.pretrained={config.pretrained!r} has no *.safetensors weights (the only format read: "
+                "convert older pytorch_model.bin files with save_pretrained(..., safe_serialization=True))"
+            )
         try:
             hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         except _rejections() as error:

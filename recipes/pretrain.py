@@ -33,7 +33,7 @@ from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, pro
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
 from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
-from recipes.hf_folder import save_hf_folder
+from recipes.hf_folder import load_hf_slices, save_hf_folder
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model, init_weights, named_tensors
 from recipes.optim import build_optimizer, set_lr
@@ -104,12 +104,12 @@ class TrainState:
     """Sharded: the ranks of this rank's replica group (the gradient norm sums over them)."""
 
 
-def build_train_state(job: JobConfig, *, device: torch.device, whole: bool = True) -> TrainState:
+def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
     """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
-    model to be sharded is built on the meta device unless `whole` (a pretrained model, read whole from its files), and
-    is sharded, its slice initialised, once the first generation's ranks are known (`reshard_train_state`)."""
+    model to be sharded is built on the meta device, and sharded, its slice initialised or read from the pretrained
+    files, once the first generation's ranks are known (`reshard_train_state`)."""
     torch.manual_seed(job.seed)
-    model = training_model(job, device=device if whole or job.parallel.shard == 1 else "meta")
+    model = training_model(job, device=device if job.parallel.shard == 1 else "meta")
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
     grads = FlatGradients(model.parameters()) if job.parallel.shard == 1 else None
@@ -130,9 +130,11 @@ def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Mo
 
 def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
     """Shard a fresh model and optimizer over the current generation's ranks (built on the meta device, then
-    allocated) and give it this rank's slice of the current state: of a sharded model its local shards, of a whole
-    one (read from files) its shard index's slice (see `recipes.parallel`); a model still on the meta device (the
-    first generation) has its slice initialised, module by module, as the whole model would be (`init_weights`)."""
+    allocated) and give it this rank's slice of the current state: of a sharded model its local shards (see
+    `recipes.parallel`). A model still on the meta device (the first generation's, a spare's) has its slice
+    initialised, module by module, as the whole model would be (`init_weights`), or read from `model.pretrained`
+    (each rank its own rows: `load_hf_slices`); one this rank does not trust (received or loaded next) only what the
+    state leaves out."""
     mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=state.device.type)
     model = training_model(job, device="meta")
     shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")
@@ -142,10 +144,14 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     if next(state.model.parameters()).is_meta:
         torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
         targets = dict(named_tensors(model))
-        # An untrusted slice is received or read over whatever the allocation left; only what the state leaves out
-        # (non-persistent buffers: rotary frequencies) is made here.
-        only = None if replica.valid else lambda module: bool(module._non_persistent_buffers_set)
+        # A slice that is received, loaded or read from files (and an untrusted one is received or loaded over
+        # whatever the allocation left) needs only what the state leaves out: non-persistent buffers (rotary
+        # frequencies).
+        pretrained = job.model.pretrained is not None and replica.valid
+        only = None if replica.valid and not pretrained else lambda module: bool(module._non_persistent_buffers_set)
         init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]), only=only)
+        if pretrained:
+            load_hf_slices(model, Path(job.model.pretrained))
     else:
         copy_local_state(state.model, model)
         copy_optimizer_state(state.optimizer, optimizer)
@@ -204,7 +210,7 @@ def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None
 
 def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) -> None:
     device = torch.device(f"cuda:{replica.env.local_rank}" if replica.backend == "nccl" else "cpu")
-    state = build_train_state(job, device=device, whole=job.model.pretrained is not None)
+    state = build_train_state(job, device=device)
 
     def instrument(model: torch.nn.Module) -> None:
         install_fault_handlers(model, faults=job.fault.events(), replica=replica)

@@ -23,18 +23,21 @@ def test_cfg_job_prints_the_composed_config_with_overrides(launch, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "total", "active"),
+    ("recipe", "total", "active", "layout", "nproc"),
     [
-        ("llama3_8b", "8,030,261,248 total", "7,504,924,672 active"),
-        ("gpt_oss_20b", "20,914,757,184 total", "3,608,307,264 active"),
+        ("llama3_2_1b", "1,235,814,400 total", "1,235,814,400 active", "8 full replicas", 8),
+        ("llama3_8b", "8,030,261,248 total", "7,504,924,672 active", "2 replica group(s) x 4 shards", 8),
+        ("llama3_70b", "70,553,706,496 total", "69,503,033,344 active", "2 replica group(s) x 32 shards", 64),
+        ("gpt_oss_20b", "20,914,757,184 total", "3,608,307,264 active", "2 replica group(s) x 8 shards", 16),
+        ("gpt_oss_120b", "116,829,156,672 total", "5,132,849,472 active", "2 replica group(s) x 64 shards", 128),
     ],
 )
-def test_dry_run_plans_a_big_model_and_writes_nothing(launch, tmp_path, recipe, total, active):
+def test_dry_run_plans_a_big_model_and_writes_nothing(launch, tmp_path, recipe, total, active, layout, nproc):
     proc = launch(f"recipe={recipe}", "dry_run=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert total in proc.stdout and active in proc.stdout
+    assert total in proc.stdout and active in proc.stdout and layout in proc.stdout
     assert "AdamW state" in proc.stdout and "tokens/step" in proc.stdout
-    assert proc.stdout.count("python -m recipes.pretrain") == 8
+    assert proc.stdout.count("python -m recipes.pretrain") == nproc
     assert list(tmp_path.iterdir()) == []
 
 

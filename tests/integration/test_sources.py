@@ -23,8 +23,8 @@ def train_tokenizer(path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def test_pretrained_weights_tokenizer_and_dataset_files_are_used(launch, tmp_path):
-    tokenizer = train_tokenizer(tmp_path / "tokenizer")
+def pretrained_folder(path, tokenizer, **config) -> LlamaForCausalLM:
+    """A small Llama saved as a Hugging Face folder (what `model.pretrained` names); the model, in float32."""
     torch.manual_seed(7)
     model = LlamaForCausalLM(
         LlamaConfig(
@@ -35,9 +35,16 @@ def test_pretrained_weights_tokenizer_and_dataset_files_are_used(launch, tmp_pat
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=128,
+            **config,
         )
     )
-    model.save_pretrained(tmp_path / "weights")
+    model.save_pretrained(path)
+    return model
+
+
+def test_pretrained_weights_tokenizer_and_dataset_files_are_used(launch, tmp_path):
+    tokenizer = train_tokenizer(tmp_path / "tokenizer")
+    model = pretrained_folder(tmp_path / "weights", tokenizer)
     rows = [{"text": TEXT[i : i + 300]} for i in range(0, len(TEXT) - 300, 100)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -79,3 +86,28 @@ def test_plain_text_files_train(launch, tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     metrics = read_metrics(tmp_path / "run")
     assert metrics[-1]["loss"] < metrics[0]["loss"] / 2
+
+
+def test_a_sharded_job_starts_from_pretrained_files_read_slice_by_slice(launch, tmp_path):
+    """bf16 files split in several, an output layer tied to the embedding (stored once): each of the two shards
+    reads its rows, converted to float32, and the job ends with the pretrained weights (the learning rate moves
+    nothing)."""
+    tokenizer = train_tokenizer(tmp_path / "tokenizer")
+    model = pretrained_folder(tmp_path / "weights", tokenizer, tie_word_embeddings=True)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 1
+    proc = launch(
+        "recipe=tiny_llama",
+        f"model.pretrained={tmp_path / 'bf16'}",
+        f"tokenizer.path={tmp_path / 'tokenizer'}",
+        "data.seq_len=16",
+        "optim.lr=1e-30",
+        "trainer.max_steps=2",
+        "cluster.nproc=2",
+        "parallel.shard=2",
+        "ft.spares=0",
+        f"run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    assert read_summary(tmp_path / "run")["param_sha256"] == param_sha256(expected.state_dict())
