@@ -44,10 +44,12 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The training state as disk checkpoints hold it: the model's parameters and buffers (tied tensors once), then
-    the optimizer's per-parameter state; a sharded tensor as its DTensor (it knows where its slice lies)."""
+    """The training state as disk checkpoints hold it: what training changes, the model's trainable parameters and
+    its buffers (tied tensors once), then the optimizer's per-parameter state; a sharded tensor as its DTensor (it
+    knows where its slice lies). Frozen parameters (the base model under LoRA) are not state: every rank builds them
+    from their source (the seed, the pretrained files), and none is moved or checkpointed."""
     tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen = {local_tensor(p).data_ptr() for p in model.parameters() if not p.requires_grad}
     for name, tensor in model.state_dict(keep_vars=False).items():
         if local_tensor(tensor).data_ptr() in seen:
             continue

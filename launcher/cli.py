@@ -10,8 +10,8 @@ from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 from launcher.local import run_local, warm_up_workers
 from launcher.plan import build_plan, check_fits, format_plan
 from launcher.rundir import check_run_dir, create_run_dir, resolve_run_dir
-from recipes.pretrain import prepare
 from recipes.schema import save_config
+from recipes.train import prepare
 
 USAGE = """usage: python -m launcher recipe=<name> [group=<option> ...] [key=value ...] [--cfg job] [--help]
 

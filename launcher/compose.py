@@ -19,6 +19,7 @@ from ckptless_core.faults import FaultEvent
 from ckptless_core.netns import NetnsUnavailable
 from ckptless_core.netns import check_available as check_netns_available
 from launcher.errors import ConfigError
+from recipes.data.sources import check_data_config
 from recipes.schema import ClusterConfig, JobConfig, OptimConfig
 
 CONFIG_MODULE = "configs"
@@ -128,6 +129,7 @@ def validate(job: JobConfig) -> None:
     if cluster.threads_per_worker < 0:
         raise ConfigError(f"cluster.threads_per_worker={cluster.threads_per_worker} must be 0 (auto) or more")
     validate_optim(job.optim)
+    validate_task(job)
     validate_parallel(job)
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
@@ -136,6 +138,28 @@ def validate(job: JobConfig) -> None:
         raise ConfigError(
             f"resume={job.resume}: no disk checkpoint there (checkpoints/step_N/); resume needs a run that had "
             "ft.checkpoint_every set"
+        )
+
+
+def validate_task(job: JobConfig) -> None:
+    """The task against its data (text to pretrain on, conversations to fine-tune on) and LoRA's settings."""
+    try:
+        check_data_config(job.data, task=job.task.kind)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if job.task.kind != "lora":
+        return
+    lora = job.lora
+    if lora.rank < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ConfigError(
+            f"lora.rank={lora.rank} must be at least 1, lora.alpha={lora.alpha} positive and "
+            f"lora.dropout={lora.dropout} in [0, 1)"
+        )
+    if job.parallel.shard > 1:
+        raise ConfigError(
+            f"task=lora trains full replicas of the adapters over a whole base on every rank, and "
+            f"parallel.shard={job.parallel.shard} asks to shard it: a sharded frozen base is not built yet. Set "
+            "parallel.shard=1 (the base must fit one device: llama3_2_1b, llama3_8b on 80 GB)"
         )
 
 

@@ -21,10 +21,10 @@ from launcher.progress import ConsoleProgress
 from launcher.report import short_form
 from launcher.summary import build_summary, describe_recoveries, write_summary
 from launcher.torchrun import TorchrunJob
-from recipes.pretrain import worker_preload
 from recipes.schema import JobConfig
+from recipes.train import worker_preload
 
-ENTRY = "recipes.pretrain:main"
+ENTRY = "recipes.train:main"
 SECRET_FILE = "control.secret"
 """In the run directory, mode 0600: the job's secret, for agents started on other hosts (`cluster=hosts`)."""
 

@@ -32,12 +32,14 @@ class Plan:
     active_params: int
     """Parameters used per token: MoE experts scaled by experts-per-token / experts; the input embedding excluded
     (a lookup, not compute), the unembedding included."""
+    trainable_params: int
+    """Parameters that train: all of them, or under LoRA the adapters'."""
     weights_bytes: int
-    """Per rank: its slice of the weights (all of them with full replicas)."""
+    """Per rank: its slice of the weights (all of them with full replicas), frozen ones included."""
     grads_bytes: int
-    """Per rank: gradients."""
+    """Per rank: gradients (of trainable parameters)."""
     optimizer_bytes: int
-    """Per rank: optimizer state."""
+    """Per rank: optimizer state (of trainable parameters)."""
     activations_bytes: int
     """Per rank: a rough estimate of one micro-batch's saved activations."""
     tokens_per_step: int
@@ -49,22 +51,34 @@ class Plan:
     shard: int = 1
     """Ranks each copy of the state is sharded over."""
 
+    lora_targets: tuple[str, ...] = ()
+    """LoRA: the modules with adapters."""
+    state_bytes: int = 0
+    """Per rank: the training state a replacement receives from the rank holding its copy (trainable weights and
+    their AdamW state; frozen weights are rebuilt from their source, not moved)."""
+
     @property
     def per_rank_bytes(self) -> int:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
 
 def build_plan(job: JobConfig) -> Plan:
-    """Builds the model on the meta device (no memory) and derives what each rank would hold."""
+    """Builds the model on the meta device (no memory), with its adapters under LoRA, and derives what each rank
+    would hold."""
     model = build_model(job.model, device="meta")
+    if job.task.kind == "lora":
+        from recipes.lora import add_adapters  # (peft's imports cost every other launch a second)
+
+        model = add_adapters(model, job.lora)
     shard = job.parallel.shard
     if shard > 1:
         from recipes.parallel import check_shardable  # (FSDP2's imports cost every launcher half a second)
 
         check_shardable(model, shard)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad == (job.task.kind != "lora"))  # the base
     # The largest slice any rank holds: FSDP2 cuts each parameter's first dimension into `shard` parts, padded.
-    per_rank = sum(-(-p.shape[0] // shard) * (p.numel() // max(p.shape[0], 1)) for p in model.parameters())
+    per_rank = sum(_slice_numel(p, shard) for p in model.parameters())
+    trainable_per_rank = sum(_slice_numel(p, shard) for p in model.parameters() if p.requires_grad)
     config = model.config
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -76,18 +90,25 @@ def build_plan(job: JobConfig) -> Plan:
     input_embedding = 0 if tied else model.get_input_embeddings().weight.numel()
     trainer = job.trainer
     return Plan(
-        architecture=type(model).__name__,
+        architecture=type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
         total_params=total,
         active_params=total - experts_inactive - input_embedding,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         weights_bytes=per_rank * WEIGHT_BYTES,
-        grads_bytes=per_rank * GRAD_BYTES,
-        optimizer_bytes=per_rank * ADAM_BYTES,
+        grads_bytes=trainable_per_rank * GRAD_BYTES,
+        optimizer_bytes=trainable_per_rank * ADAM_BYTES,
+        state_bytes=trainable_per_rank * (WEIGHT_BYTES + ADAM_BYTES),
+        lora_targets=tuple(sorted(model.peft_config["default"].target_modules)) if job.task.kind == "lora" else (),
         activations_bytes=_activation_bytes(job, config),
         tokens_per_step=trainer.global_batch_size * job.data.seq_len,
         grad_accum_steps=trainer.global_batch_size // (job.cluster.nproc * trainer.micro_batch_size),
         nproc=job.cluster.nproc,
         shard=shard,
     )
+
+
+def _slice_numel(param: torch.Tensor, shard: int) -> int:
+    return -(-param.shape[0] // shard) * (param.numel() // max(param.shape[0], 1))
 
 
 def _activation_bytes(job: JobConfig, config) -> int:
@@ -124,7 +145,7 @@ def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "
         return [f"{env} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {command}" for command in quoted]
     return [
         f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
-        f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.pretrain {config}"
+        f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.train {config}"
         for r in range(n)
     ]
 
@@ -169,13 +190,16 @@ def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> st
         ("recipe", f"{recipe} ({plan.architecture})"),
         ("parameters", f"{plan.total_params:,} total; {plan.active_params:,} active per token"),
         ("", "(active: experts scaled by experts per token, unembedding counted, input embedding not)"),
+        *_trainable_rows(job, plan),
         ("layout", _layout_line(job, plan)),
         (
             "per rank",
-            f"{_gib(plan.per_rank_bytes)} = weights {_gib(plan.weights_bytes)} + grads "
+            f"{_gib(plan.per_rank_bytes)} = weights {_gib(plan.weights_bytes)}"
+            f"{' (frozen base and adapters)' if job.task.kind == 'lora' else ''} + grads "
             f"{_gib(plan.grads_bytes)} + AdamW state {_gib(plan.optimizer_bytes)} + activations "
             f"~{_gib(plan.activations_bytes)}",
         ),
+        ("recovery", _recovery_line(job, plan)),
         (
             "tokens/step",
             f"{plan.tokens_per_step:,} ({job.trainer.global_batch_size} samples x {job.data.seq_len}); "
@@ -188,6 +212,35 @@ def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> st
     lines.append("     workers")
     lines += [f"    {command}" for command in worker_commands(job, run_dir=run_dir)]
     return "\n".join(lines)
+
+
+def _trainable_rows(job: JobConfig, plan: Plan) -> list[tuple[str, str]]:
+    if job.task.kind != "lora":
+        return []
+    share = plan.trainable_params / plan.total_params
+    targets = ", ".join(plan.lora_targets)
+    return [
+        (
+            "trainable",
+            f"{plan.trainable_params:,} adapter parameters ({share:.2%} of the base; LoRA rank {job.lora.rank} on "
+            f"{targets}); the base is frozen",
+        )
+    ]
+
+
+def _recovery_line(job: JobConfig, plan: Plan) -> str:
+    """Which ranks hold a copy of a rank's state, and what a replacement receives from one."""
+    groups = plan.nproc // plan.shard
+    if groups < 2:
+        holders = "no rank holds a copy of another's state (one replica group): a lost rank is restored from disk"
+    elif plan.shard == 1:
+        holders = "every rank holds a copy of every other's state"
+    else:
+        holders = (
+            f"rank r's state is also held by the ranks with its shard index (r mod {plan.shard}) in the "
+            f"{groups - 1} other replica group(s)"
+        )
+    return f"{holders}; a lost rank's replacement receives {_gib(plan.state_bytes)} from one of them"
 
 
 def _layout_line(job: JobConfig, plan: Plan) -> str:

@@ -77,7 +77,7 @@ def torchrun_command(
         f"--log-dir={logs}",
         "--redirects=3",
         "-m",
-        "recipes.pretrain",
+        "recipes.train",
         str(run_dir / "config.yaml"),
     ]
 

@@ -170,3 +170,22 @@ def _reason(error: BaseException) -> str:
         error = error.__cause__
     text = " ".join(str(error).split()).rstrip(".")
     return text if isinstance(error, ValueError) and text else f"{type(error).__name__}: {text}"
+
+
+def packed_attention_masks(config, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None] | None:
+    """For a model with sliding and full attention layers (GPT-OSS), the masks of packed sequences: causal within
+    each sequence (where `position_ids` restart), windowed in the sliding layers. Such models build their masks
+    without the position ids, so packed conversations would attend to each other; passed as `attention_mask`, these
+    are used as they are. Null for other models (Llama): they build the same masks from `position_ids` themselves."""
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if "sliding_attention" not in layer_types:
+        return None
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    # Only its batch size, length, dtype and device are read.
+    shape = torch.empty((*position_ids.shape, 1), dtype=torch.float32, device=position_ids.device)
+    kwargs = {"config": config, "inputs_embeds": shape, "attention_mask": None, "cache": None}
+    return {
+        "full_attention": create_causal_mask(**kwargs, position_ids=position_ids),
+        "sliding_attention": create_sliding_window_causal_mask(**kwargs, position_ids=position_ids),
+    }

@@ -42,21 +42,44 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """`synthetic` (built-in corpus), `text_files`, or `hf_dataset`."""
+    """`synthetic` (the built-in corpus: text, or conversations for `task=sft`/`lora`), `text_files`, `hf_dataset`
+    (text) or `chat` (conversations)."""
     paths: list[str] = field(default_factory=list)
-    """Files to read for `text_files` and for `hf_dataset` from local files."""
+    """Files to read for `text_files`, and for `hf_dataset` and `chat` from local files."""
     name: str | None = None
-    """`hf_dataset` only: a dataset name on the hub (needs network) instead of `paths`."""
+    """`hf_dataset` and `chat`: a dataset name on the hub (needs network) instead of `paths`."""
     split: str = "train"
-    """`hf_dataset` only: the split to read."""
+    """`hf_dataset` and `chat`: the split to read."""
     text_field: str = "text"
     """`hf_dataset` only: the column that holds the text."""
+    messages_field: str = "messages"
+    """`chat` only: the column that holds each conversation, a list of `{"role": ..., "content": ...}`."""
     seq_len: int = 128
     """Tokens per training sample (the model sees `seq_len` inputs and predicts `seq_len` targets)."""
     synthetic_num_bytes: int = 2_000_000
     """`synthetic` only: size of the generated corpus."""
     cache_dir: str | None = None
     """Where token files are cached; default `$CKPTLESS_CACHE` or `~/.cache/ckptless`."""
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "pretrain"
+    """`pretrain` (next-token loss on every token), `sft` (supervised fine-tuning on conversations: loss on the
+    assistant's tokens only, short conversations packed into `data.seq_len`) or `lora` (`sft` training low-rank
+    adapters only, with `peft`; the base model frozen)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    """Rank of each adapter (peft's `r`)."""
+    alpha: float = 8.0
+    """Scaling numerator: adapters are scaled by `alpha / rank` (peft's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's `lora_dropout`)."""
+    target_modules: list[str] | None = None
+    """Module names to adapt (`q_proj`, `v_proj`, ...); null: peft's default for the architecture."""
 
 
 @dataclass
@@ -213,6 +236,8 @@ class JobConfig:
     resume: str | None = None
     """Run directory of a job lost as a whole: start from its latest disk checkpoint (`ft.checkpoint_every`)."""
     run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)

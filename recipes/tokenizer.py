@@ -1,7 +1,8 @@
 """Tokenizers: the built-in byte-level one for tiny recipes and any local Hugging Face tokenizer.
 
-Both expose the same small surface the data pipeline needs: `encode`, `decode`, `eos_id`, `vocab_size` and an
-`identity` string that changes whenever the tokenizer would produce different ids (token-file cache keys use it).
+Both expose the same small surface the data pipeline needs: `encode`, `decode`, `chat_segments` (a conversation in
+its chat template, as token runs marked trained or not), `eos_id`, `vocab_size` and an `identity` string that
+changes whenever the tokenizer would produce different ids (token-file cache keys use it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def chat_segments(self, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are the ids 0..255; 256 marks the end of a document."""
@@ -41,6 +44,17 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if int(i) != self.eos_id).decode("utf-8", errors="replace")
+
+    def chat_segments(self, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]:
+        """The built-in chat template: each message is `<|role|>` and a newline, then its content and a newline;
+        an assistant's content is trained, followed by the end id (256), which is trained too, so the model learns
+        to stop."""
+        segments: list[tuple[list[int], bool]] = []
+        for message in messages:
+            answer = message["role"] == "assistant"
+            segments.append((self.encode(f"<|{message['role']}|>\n"), False))
+            segments.append((self.encode(message["content"] + "\n") + ([self.eos_id] if answer else []), answer))
+        return segments
 
 
 class HFTokenizer:
@@ -70,6 +84,37 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+    def chat_segments(self, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]:
+        """The conversation in the tokenizer's own chat template, cut where each assistant turn starts and ends:
+        an assistant's turn as the template renders it after the generation prompt (its content and end-of-turn
+        marker) is trained, everything else (system and user turns, role headers) is not."""
+        if not self._tokenizer.chat_template:
+            raise ValueError(
+                f"the tokenizer in {self.path} has no chat template (chat_template in tokenizer_config.json or "
+                "chat_template.jinja), which task=sft and task=lora render conversations with; add one"
+            )
+        segments: list[tuple[list[int], bool]] = []
+        done = ""
+        for turn, message in enumerate(messages):
+            answer = message["role"] == "assistant"
+            prompt = self._render(messages[:turn], generation_prompt=True) if answer else done
+            rendered = self._render(messages[: turn + 1], generation_prompt=False)
+            if not (prompt.startswith(done) and rendered.startswith(prompt)):
+                raise ValueError(
+                    f"the chat template of the tokenizer in {self.path} does not render a conversation as the "
+                    f"renderings of its beginnings extended (message {turn + 1} changes what came before), so the "
+                    "assistant's tokens cannot be told apart; use a template that only appends"
+                )
+            segments.append((self.encode(prompt[len(done) :]), False))
+            segments.append((self.encode(rendered[len(prompt) :]), answer))
+            done = rendered
+        return [(ids, trained) for ids, trained in segments if ids]
+
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+        if not messages and not generation_prompt:
+            return ""
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def save_pretrained(self, directory: Path) -> None:
         """Its files, as `AutoTokenizer.from_pretrained(directory)` reads them."""

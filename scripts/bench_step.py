@@ -48,8 +48,8 @@ def bare_loop(config_path: Path, *, steps: int) -> dict:
 
     from recipes.data import TokenSampler
     from recipes.model import build_model
-    from recipes.pretrain import prepare
     from recipes.schema import load_config
+    from recipes.train import prepare
 
     torch.set_num_threads(1)
     job = load_config(config_path)
@@ -68,9 +68,9 @@ def bare_loop(config_path: Path, *, steps: int) -> dict:
         start = time.perf_counter()
         total = torch.zeros(())
         for first in range(0, global_batch, micro_batch):
-            batch = sampler.batch(step, range(first, first + micro_batch))
-            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) / num_micro
+            windows = sampler.windows(step, range(first, first + micro_batch))
+            logits = model(input_ids=windows[:, :-1], use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()) / num_micro
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.trainer.grad_clip_norm)
@@ -206,8 +206,8 @@ def main() -> int:
         parser.error("need --rounds >= 1 and 0 <= --warmup < --steps")
 
     from launcher.compose import compose_job
-    from recipes.pretrain import prepare
     from recipes.schema import save_config
+    from recipes.train import prepare
 
     # 1 torch thread in both (the launcher's default would be cores / nproc).
     overrides = [

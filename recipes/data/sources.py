@@ -13,7 +13,9 @@ from pathlib import Path
 from recipes.data.synthetic import SYNTHETIC_VERSION, synthetic_text
 from recipes.schema import DataConfig
 
-SOURCES = ("synthetic", "text_files", "hf_dataset")
+SOURCES = ("synthetic", "text_files", "hf_dataset", "chat")
+TASKS = ("pretrain", "sft", "lora")
+_TEXT_SOURCES = ("text_files", "hf_dataset")
 
 # Local file extension -> `datasets` builder for `hf_dataset` with `data.paths`.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -23,10 +25,21 @@ _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
 _PIECE_CHARS = 1 << 20
 
 
-def check_data_config(config: DataConfig) -> None:
-    """Refuse a `data` section that cannot work, with a message naming the field; cheap (reads no data)."""
+def check_data_config(config: DataConfig, *, task: str = "pretrain") -> None:
+    """Refuse a `data` section that cannot work for `task`, with a message naming the field; cheap (reads no
+    data). Pretraining reads text (`synthetic`, `text_files`, `hf_dataset`), fine-tuning conversations
+    (`synthetic`, `chat`)."""
     if config.source not in SOURCES:
         raise ValueError(f"data.source={config.source!r} is not one of {', '.join(SOURCES)}")
+    if task not in TASKS:
+        raise ValueError(f"task.kind={task!r} is not one of {', '.join(TASKS)} (task=<kind>)")
+    if task == "pretrain" and config.source == "chat":
+        raise ValueError("data=chat holds conversations, which task=sft and task=lora train on; add task=sft")
+    if task != "pretrain" and config.source in _TEXT_SOURCES:
+        raise ValueError(
+            f"task={task} trains on conversations, and data.source={config.source} is plain text: use data=chat "
+            "(files of messages), data=synthetic (built-in conversations), or task=pretrain"
+        )
     if config.seq_len < 1:
         raise ValueError(f"data.seq_len={config.seq_len} must be >= 1")
     if config.source == "synthetic":
@@ -40,16 +53,20 @@ def check_data_config(config: DataConfig) -> None:
         return
     if config.source == "text_files" and not config.paths:
         raise ValueError("data.source=text_files needs data.paths: a list of UTF-8 text files")
-    if config.source == "hf_dataset":
+    if config.source in ("hf_dataset", "chat"):
         if not config.paths and not config.name:
-            raise ValueError("data.source=hf_dataset needs data.paths (local files) or data.name (a hub dataset)")
+            raise ValueError(f"data.source={config.source} needs data.paths (local files) or data.name (a hub dataset)")
         if config.paths and config.name:
-            raise ValueError("data.source=hf_dataset takes data.paths or data.name, not both; set the other to null")
+            raise ValueError(
+                f"data.source={config.source} takes data.paths or data.name, not both; set the other to null"
+            )
     for path in config.paths:
         if not Path(path).expanduser().is_file():
             raise ValueError(f"data.paths: {path!r} does not exist or is not a file")
-    if config.source == "hf_dataset" and config.paths:
-        _builder_for(config.paths)
+    if config.source in ("hf_dataset", "chat") and config.paths:
+        builder = builder_for(config.paths)
+        if config.source == "chat" and builder not in ("json", "parquet"):
+            raise ValueError(f"data=chat reads conversations from .jsonl, .json or .parquet files, not {builder} files")
 
 
 def iter_texts(config: DataConfig) -> Iterator[str]:
@@ -83,6 +100,8 @@ def source_identity(config: DataConfig) -> str:
         parts = {"source": config.source, "files": [_file_identity(Path(p)) for p in config.paths]}
         if config.source == "hf_dataset":
             parts.update(name=config.name, split=config.split, text_field=config.text_field)
+        if config.source == "chat":
+            parts.update(name=config.name, split=config.split, messages_field=config.messages_field)
     return json.dumps(parts, sort_keys=True)
 
 
@@ -92,7 +111,7 @@ def _file_identity(path: Path) -> list:
     return [str(path.expanduser().resolve()), stat.st_size, stat.st_mtime_ns]
 
 
-def _builder_for(paths: list[str]) -> str:
+def builder_for(paths: list[str]) -> str:
     builders = set()
     for path in paths:
         suffixes = [s.lower() for s in Path(path).suffixes]
@@ -118,7 +137,7 @@ def _iter_hf_dataset(config: DataConfig) -> Iterator[str]:
     if config.paths:
         paths = [str(Path(p).expanduser()) for p in config.paths]
         rows = datasets.load_dataset(
-            _builder_for(config.paths), data_files={config.split: paths}, split=config.split, streaming=True
+            builder_for(config.paths), data_files={config.split: paths}, split=config.split, streaming=True
         )
     else:
         rows = datasets.load_dataset(config.name, split=config.split, streaming=True)

@@ -37,7 +37,7 @@ def test_dry_run_plans_a_big_model_and_writes_nothing(launch, tmp_path, recipe, 
     assert proc.returncode == 0, proc.stderr
     assert total in proc.stdout and active in proc.stdout and layout in proc.stdout
     assert "AdamW state" in proc.stdout and "tokens/step" in proc.stdout
-    assert proc.stdout.count("python -m recipes.pretrain") == nproc
+    assert proc.stdout.count("python -m recipes.train") == nproc
     assert list(tmp_path.iterdir()) == []
 
 

@@ -110,7 +110,7 @@ def test_the_worker_entry_point_also_runs_under_torchrun(short_two_workers, tmp_
             "--nproc-per-node",
             "2",
             "-m",
-            "recipes.pretrain",
+            "recipes.train",
         ],
         env=env,
         capture_output=True,

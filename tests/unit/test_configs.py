@@ -75,9 +75,20 @@ def test_big_recipes_match_published_parameter_counts(name, total, active_billio
         assert round(plan.active_params / 1e9, 1) == active_billions
 
 
+DATA_OPTION_NEEDS = {  # what each source needs beside itself to validate
+    "text_files": ["data.paths=[{text}]"],
+    "hf_dataset": ["data.paths=[{text}]"],
+    "chat": ["task=sft", "data.paths=[{chat}]"],
+}
+
+
 @pytest.mark.parametrize("option", DATA_OPTIONS)
-def test_every_data_option_composes(option):
-    job = compose_job(["recipe=tiny_llama", f"data={option}"]).job
+def test_every_data_option_composes(option, tmp_path):
+    text, chat = tmp_path / "a.txt", tmp_path / "chat.jsonl"
+    text.write_text("some text\n")
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    needs = [item.format(text=text, chat=chat) for item in DATA_OPTION_NEEDS.get(option, [])]
+    job = compose_job(["recipe=tiny_llama", f"data={option}", *needs]).job
     assert job.data.source == option
     # The group sets the source only; the recipe's sequence length survives.
     assert job.data.seq_len == 128
@@ -92,9 +103,12 @@ def test_every_cluster_option_composes(option):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_save_then_load_round_trips_a_composed_job(name, tmp_path):
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for text in texts:
+        text.write_text("some text\n")
     job = compose_job(
         [f"recipe={name}", "cluster.memory_limit_gib=2.5", f"run.dir={tmp_path / 'run'}", "data=text_files"]
-        + ["data.paths=[a.txt,b.txt]", "seed=7"]
+        + [f"data.paths=[{texts[0]},{texts[1]}]", "seed=7"]
     ).job
     path = tmp_path / "config.yaml"
 

@@ -590,7 +590,7 @@ def test_a_job_spec_and_an_outcome_survive_the_file_a_restarted_coordinator_read
     from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
 
     spec = JobSpec(
-        entry="recipes.pretrain:main",
+        entry="recipes.train:main",
         nproc=2,
         run_dir=tmp_path,
         preload=["torch"],

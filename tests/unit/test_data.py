@@ -263,10 +263,10 @@ def test_rank_sample_indices_split_the_global_batch():
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_step_samples_do_not_depend_on_world_size(token_path, world_size):
     sampler = TokenSampler(token_path, seq_len=32, seed=1)
-    whole = sampler.batch(11, range(8))
+    whole = sampler.windows(11, range(8))
     assert whole.dtype == torch.int64 and whole.shape == (8, 33)
     parts = [
-        sampler.batch(11, rank_sample_indices(rank=r, world_size=world_size, global_batch_size=8))
+        sampler.windows(11, rank_sample_indices(rank=r, world_size=world_size, global_batch_size=8))
         for r in range(world_size)
     ]
     assert torch.equal(torch.cat(parts), whole)

@@ -122,7 +122,7 @@ def test_worker_commands_one_torchrun_compatible_command_per_rank(nproc, tmp_pat
     ranks = []
     for command in commands:
         env, argv = parse_command(command)
-        assert argv == ["python", "-m", "recipes.pretrain", str(run_dir / "config.yaml")]
+        assert argv == ["python", "-m", "recipes.train", str(run_dir / "config.yaml")]
         assert env["CKPTLESS_RUN_DIR"] == str(run_dir)
         assert int(env["OMP_NUM_THREADS"]) >= 1
         # The worker reads exactly these variables, as torchrun sets them.

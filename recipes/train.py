@@ -1,8 +1,9 @@
-"""The pretraining entry point: one data-parallel worker (or hot spare) of a causal-LM pretraining job.
+"""The training entry point of every task (pretrain, sft, lora): one data-parallel worker (or hot spare) of a
+causal-LM training job.
 
 Started by a node agent (forked from its pre-imported fork server, environment set); it reads
 `<run_dir>/config.yaml`, joins its generation and trains. It also runs under torchrun (plain data
-parallelism, no recovery), e.g. `CKPTLESS_RUN_DIR=<run_dir> torchrun --nproc-per-node 2 -m recipes.pretrain`. Everything fault tolerance needs is behind the
+parallelism, no recovery), e.g. `CKPTLESS_RUN_DIR=<run_dir> torchrun --nproc-per-node 2 -m recipes.train`. Everything fault tolerance needs is behind the
 `Replica`: the loop below only runs steps through it.
 """
 
@@ -32,10 +33,19 @@ from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, process_resources
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
-from recipes.data import TokenSampler, check_data_config, prepare_token_file, rank_sample_indices
+from recipes.data import (
+    Batch,
+    PackedSampler,
+    TokenSampler,
+    check_data_config,
+    prepare_packed_file,
+    prepare_token_file,
+    rank_sample_indices,
+)
 from recipes.hf_folder import load_hf_slices, save_hf_folder
+from recipes.lora import adapter_state_dict, add_adapters, save_adapter_folder
 from recipes.metrics import MetricsLog
-from recipes.model import build_hf_config, build_model, init_weights, named_tensors
+from recipes.model import build_hf_config, build_model, init_weights, named_tensors, packed_attention_masks
 from recipes.optim import build_optimizer, set_lr
 from recipes.parallel import (
     clip_grads,
@@ -51,10 +61,13 @@ from recipes.parallel import (
 from recipes.schema import JobConfig, load_config
 from recipes.tokenizer import build_tokenizer
 
+Sampler = TokenSampler | PackedSampler
+
 
 def prepare(job: JobConfig) -> Path:
-    """Checks done once before any worker starts: data, tokenizer against model, and the token file (cached)."""
-    check_data_config(job.data)
+    """Checks done once before any worker starts: data, tokenizer against model, and the data file (cached): a
+    token file to pretrain on, a packed conversation file to fine-tune on."""
+    check_data_config(job.data, task=job.task.kind)
     tokenizer = build_tokenizer(job.tokenizer)
     vocab_size = build_hf_config(job.model).vocab_size
     if tokenizer.vocab_size > vocab_size:
@@ -62,7 +75,15 @@ def prepare(job: JobConfig) -> Path:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size}; "
             "set model.hf_config.vocab_size at least that large, or pick a matching tokenizer.path"
         )
-    return prepare_token_file(job.data, tokenizer)
+    if job.task.kind == "pretrain":
+        return prepare_token_file(job.data, tokenizer)
+    return prepare_packed_file(job.data, tokenizer)
+
+
+def build_sampler(job: JobConfig, data_file: Path) -> Sampler:
+    """The sampler of what `prepare` made."""
+    kind = TokenSampler if job.task.kind == "pretrain" else PackedSampler
+    return kind(data_file, seq_len=job.data.seq_len, seed=job.seed)
 
 
 def worker_preload(job: JobConfig) -> tuple[str, ...]:
@@ -78,9 +99,9 @@ def worker_preload(job: JobConfig) -> tuple[str, ...]:
     else:
         model_type = job.model.hf_config.get("model_type")
     if not model_type:
-        return ("recipes.pretrain",)
+        return ("recipes.train",)
     package = str(model_type).replace("-", "_")
-    return ("recipes.pretrain", f"transformers.models.{package}.modeling_{package}")
+    return ("recipes.train", f"transformers.models.{package}.modeling_{package}")
 
 
 def micro_batches(job: JobConfig, *, rank: int, world_size: int) -> list[list[int]]:
@@ -117,11 +138,16 @@ def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
 
 
 def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
-    """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured."""
+    """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured;
+    under `task=lora` the base frozen and wrapped with its adapters (peft)."""
     model = build_model(job.model, device=device)
-    model.train()
     if job.trainer.activation_checkpointing:
         model.activation_checkpointing_enable()
+        if job.task.kind == "lora":
+            model.enable_input_require_grads()  # a frozen embedding: the recomputed blocks still need a graph
+    if job.task.kind == "lora":
+        model = add_adapters(model, job.lora)
+    model.train()
     if job.trainer.compile:
         for block in decoder_blocks(model):
             block.compile()  # in place: FSDP2's hooks, and the state's tensors, stay on the same module
@@ -158,12 +184,13 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     state.model, state.optimizer, state.shard_group = model, optimizer, mesh["shard"].get_group()
 
 
-def train_step(state: TrainState, step: int, *, replica: Replica, sampler: TokenSampler, job: JobConfig) -> dict:
+def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampler, job: JobConfig) -> dict:
     """One optimizer step (0-based `step`) over this rank's micro-batches; a pure function of the state, the step
-    and the rank, so a replayed step is the same step."""
+    and the rank, so a replayed step is the same step. The loss is the mean over the global batch's targets (every
+    token, or the assistant's): each rank divides its sum by their number, which every rank knows."""
     torch.manual_seed((job.seed * 1_000_003 + step) * 1_009 + replica.rank)
     device = next(state.model.parameters()).device
-    global_tokens = job.trainer.global_batch_size * job.data.seq_len
+    global_tokens = max(1, sampler.loss_tokens(step, global_batch_size=job.trainer.global_batch_size))
     if state.grads is not None:
         state.grads.zero()
     else:
@@ -171,9 +198,7 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Token
     loss = torch.zeros((), device=device)
     for indices in micro_batches(job, rank=replica.rank, world_size=replica.world_size):
         batch = sampler.batch(step, indices).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
-            logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        loss_sum = F.cross_entropy(forward(state.model, batch, job), batch.labels.flatten(), reduction="sum")
         (loss_sum / global_tokens).backward()  # a sharded model reduce-scatters its gradients here (FSDP2)
         loss += loss_sum.detach() / global_tokens
     if state.grads is not None:  # full replicas: the loss rides with the gradients in one all-reduce
@@ -193,15 +218,24 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Token
     return {"loss": loss.item(), "lr": lr, "grad_norm": float("nan") if norm is None else norm.item()}
 
 
-def warm_up(state: TrainState, *, sampler: TokenSampler, job: JobConfig) -> None:
+def forward(model: torch.nn.Module, batch: Batch, job: JobConfig) -> torch.Tensor:
+    """The logits of a batch as float32 `[tokens, vocab]` (bf16 autocast where configured)."""
+    device = batch.input_ids.device
+    masks = None if batch.position_ids is None else packed_attention_masks(model.config, batch.position_ids)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=masks, use_cache=False
+        ).logits
+    return logits.float().flatten(0, 1)
+
+
+def warm_up(state: TrainState, *, sampler: Sampler, job: JobConfig) -> None:
     """One forward and backward on the first micro-batch, then the gradients cleared: a hot spare does this before
     it waits, so the step it replays when promoted does not pay first-call costs (allocations, lazy initialization).
     Parameters and optimizer state are untouched."""
     device = state.device
     batch = sampler.batch(0, micro_batches(job, rank=0, world_size=1)[0]).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
-        logits = state.model(input_ids=batch[:, :-1], use_cache=False).logits
-    F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+    F.cross_entropy(forward(state.model, batch, job), batch.labels.flatten(), reduction="sum").backward()
     if state.grads is not None:
         state.grads.zero()  # the gradients stay views of the flat buffer the replicas all-reduce
     else:
@@ -217,7 +251,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
         replica.interrupt_compute_on_new_generation(model)
 
     instrument(state.model)
-    sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
+    sampler = build_sampler(job, prepare(job))
     if replica.env.spare and not next(state.model.parameters()).is_meta:
         warm_up(state, sampler=sampler, job=job)
     replica.attach(state_tensors(state.model, state.optimizer))
@@ -281,11 +315,15 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
         metrics.close()
         if checkpoints is not None:
             checkpoints.wait()
-    weights = full_state_dict(state.model)
+    lora = job.task.kind == "lora"
+    weights = adapter_state_dict(state.model) if lora else full_state_dict(state.model)
     digest = param_sha256(weights)
     if replica.rank == 0:
         tokenizer = build_tokenizer(job.tokenizer) if job.tokenizer.path is not None else None
-        save_hf_folder(run_dir / "hf", weights, build_hf_config(job.model), tokenizer=tokenizer)
+        if lora:
+            save_adapter_folder(run_dir / "hf", state.model, tokenizer=tokenizer)
+        else:
+            save_hf_folder(run_dir / "hf", weights, build_hf_config(job.model), tokenizer=tokenizer)
     events.emit(
         "train_end",
         step=replica.step,
