@@ -21,7 +21,8 @@ Train a recipe on a cluster; any config field can be overridden Hydra-style (key
 
 Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, dry_run, ft.spares,
   ft=ckptless|checkpoint_restart|none, fault=kill_worker fault.rank=1 fault.step=20,
-  data=text_files data.paths=[a.txt,b.txt], trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
+  data=text_files data.paths=[a.txt,b.txt], task=sft|lora data=chat data.paths=[chats.jsonl], lora.rank,
+  trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
   model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. The README has the full reference.
 
 After a run:

@@ -155,12 +155,6 @@ def validate_task(job: JobConfig) -> None:
             f"lora.rank={lora.rank} must be at least 1, lora.alpha={lora.alpha} positive and "
             f"lora.dropout={lora.dropout} in [0, 1)"
         )
-    if job.parallel.shard > 1:
-        raise ConfigError(
-            f"task=lora trains full replicas of the adapters over a whole base on every rank, and "
-            f"parallel.shard={job.parallel.shard} asks to shard it: a sharded frozen base is not built yet. Set "
-            "parallel.shard=1 (the base must fit one device: llama3_2_1b, llama3_8b on 80 GB)"
-        )
 
 
 def validate_parallel(job: JobConfig) -> None:

@@ -56,6 +56,8 @@ class Plan:
     state_bytes: int = 0
     """Per rank: the training state a replacement receives from the rank holding its copy (trainable weights and
     their AdamW state; frozen weights are rebuilt from their source, not moved)."""
+    frozen_bytes: int = 0
+    """Per rank: frozen weights (LoRA's base), which a replacement reads from their source."""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -77,8 +79,11 @@ def build_plan(job: JobConfig) -> Plan:
         check_shardable(model, shard)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad == (job.task.kind != "lora"))  # the base
     # The largest slice any rank holds: FSDP2 cuts each parameter's first dimension into `shard` parts, padded.
-    per_rank = sum(_slice_numel(p, shard) for p in model.parameters())
-    trainable_per_rank = sum(_slice_numel(p, shard) for p in model.parameters() if p.requires_grad)
+    # LoRA's adapters stay whole on every rank (`recipes.parallel.unsharded_params`); the frozen base is sharded.
+    lora = job.task.kind == "lora"
+    per_rank = sum(p.numel() if lora and p.requires_grad else _slice_numel(p, shard) for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_per_rank = sum(p.numel() if lora else _slice_numel(p, shard) for p in trainable)
     config = model.config
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -93,12 +98,13 @@ def build_plan(job: JobConfig) -> Plan:
         architecture=type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
         total_params=total,
         active_params=total - experts_inactive - input_embedding,
-        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trainable_params=sum(p.numel() for p in trainable),
         weights_bytes=per_rank * WEIGHT_BYTES,
         grads_bytes=trainable_per_rank * GRAD_BYTES,
         optimizer_bytes=trainable_per_rank * ADAM_BYTES,
         state_bytes=trainable_per_rank * (WEIGHT_BYTES + ADAM_BYTES),
-        lora_targets=tuple(sorted(model.peft_config["default"].target_modules)) if job.task.kind == "lora" else (),
+        frozen_bytes=(per_rank - trainable_per_rank) * WEIGHT_BYTES,
+        lora_targets=tuple(sorted(model.peft_config["default"].target_modules)) if lora else (),
         activations_bytes=_activation_bytes(job, config),
         tokens_per_step=trainer.global_batch_size * job.data.seq_len,
         grad_accum_steps=trainer.global_batch_size // (job.cluster.nproc * trainer.micro_batch_size),
@@ -240,15 +246,20 @@ def _recovery_line(job: JobConfig, plan: Plan) -> str:
             f"rank r's state is also held by the ranks with its shard index (r mod {plan.shard}) in the "
             f"{groups - 1} other replica group(s)"
         )
-    return f"{holders}; a lost rank's replacement receives {_gib(plan.state_bytes)} from one of them"
+    line = f"{holders}; a lost rank's replacement receives {_gib(plan.state_bytes)} from one of them"
+    if plan.frozen_bytes:
+        source = "model.pretrained" if job.model.pretrained is not None else "the seed"
+        line += f" and rebuilds its {_gib(plan.frozen_bytes)} of the frozen base from {source}"
+    return line
 
 
 def _layout_line(job: JobConfig, plan: Plan) -> str:
     if plan.shard == 1:
         return f"data parallel, {plan.nproc} full replicas ({job.cluster.kind} cluster)"
+    held = "of the frozen base and the adapters whole" if plan.frozen_bytes else "of the state"
     return (
         f"HSDP: {plan.nproc // plan.shard} replica group(s) x {plan.shard} shards (FSDP2), each rank holds 1/"
-        f"{plan.shard} of the state ({job.cluster.kind} cluster)"
+        f"{plan.shard} {held} ({job.cluster.kind} cluster)"
     )
 
 

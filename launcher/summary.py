@@ -104,6 +104,7 @@ def recoveries(events: list[dict]) -> list[dict]:
     recovery completes in the first generation from its own on that replays, unless another failure came first (a
     generation published again by a restarted coordinator continues it)."""
     phases = [e for e in events if e["event"] == "recovery_phase"]
+    frozen = [e for e in events if e["event"] == "frozen_base"]
     detects = [e for e in phases if e["phase"] == "detect"]
     replays = [e["generation"] for e in phases if e["phase"] == "replay"]
     result = []
@@ -134,6 +135,15 @@ def recoveries(events: list[dict]) -> list[dict]:
                 "world_size": len(mine["transfer"]),
                 "time_to_recover_s": max(e["t"] for e in mine["replay"]) - detect["failed_at"],
             }
+            # LoRA, sharded: the ranks that took a new slice rebuilt their part of the frozen base from its source
+            # (part of the rebuild phase), beside the adapters they received.
+            rebuilt = [e for e in frozen if e["generation"] == number]
+            if rebuilt:
+                entry |= {
+                    "frozen_base_bytes": sum(e["bytes"] for e in rebuilt),
+                    "frozen_base_s": max(e["seconds"] for e in rebuilt),
+                    "frozen_base_source": rebuilt[0]["source"],
+                }
         result.append(entry)
     return result
 
@@ -282,7 +292,13 @@ def _state_source(recovery: dict) -> str:
         )
     if recovery["source_ranks"] != [-1]:  # -1: every rank loaded the disk checkpoint
         ranks = ", ".join(str(rank) for rank in recovery["source_ranks"])
-        return f"{recovery['bytes_moved'] / 1e6:.1f} MB moved from rank {ranks})"
+        moved = f"{recovery['bytes_moved'] / 1e6:.1f} MB moved from rank {ranks}"
+        if "frozen_base_bytes" in recovery:
+            moved += (
+                f"; frozen base: {recovery['frozen_base_bytes'] / 1e6:.1f} MB rebuilt from "
+                f"{_source_name(recovery['frozen_base_source'])} in {recovery['frozen_base_s']:.2f} s"
+            )
+        return moved + ")"
     return "no healthy peer held the state: loaded the latest disk checkpoint)"
 
 
@@ -299,3 +315,7 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+def _source_name(source: str) -> str:
+    return "the seed" if source == "seed" else source

@@ -54,11 +54,11 @@ def save_hf_folder(
     os.replace(partial, directory)
 
 
-def load_hf_slices(model: torch.nn.Module, directory: Path) -> None:
-    """Read `model`'s weights in place from a Hugging Face folder's safetensors, each sharded tensor (a DTensor) only
-    its own slice (`torch.distributed.checkpoint`'s Hugging Face reader reads those rows of each file, converting
-    the dtype): no rank of a sharded job reads the whole model. A tensor the folder lacks must be tied to one it has
-    (an output layer tied to the embedding)."""
+def load_hf_slices(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Read a model's weights (its `state_dict`, by the folder's names) in place from a Hugging Face folder's
+    safetensors, each sharded tensor (a DTensor) only its own slice (`torch.distributed.checkpoint`'s Hugging Face
+    reader reads those rows of each file, converting the dtype): no rank of a sharded job reads the whole model. A
+    tensor the folder lacks must be tied to one it has (an output layer tied to the embedding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -66,7 +66,6 @@ def load_hf_slices(model: torch.nn.Module, directory: Path) -> None:
 
     reader = HuggingFaceStorageReader(str(directory))
     stored = reader.read_metadata().state_dict_metadata
-    state = model.state_dict()
     present = {name: tensor for name, tensor in state.items() if name in stored}
     read = {local_tensor(tensor).data_ptr() for tensor in present.values()}
     missing = sorted(n for n, t in state.items() if n not in stored and local_tensor(t).data_ptr() not in read)

@@ -1,11 +1,15 @@
 """LoRA with peft: low-rank adapters on a frozen base model, their state dict and their folder.
 
 Under `task=lora` only the adapters train: they and their AdamW state are the training state (what a recovery
-moves, what a checkpoint holds, what `param_sha256` covers); the frozen base is rebuilt by each rank from its source.
+moves, what a checkpoint holds, what `param_sha256` covers); the frozen base is rebuilt by each rank from its source
+(the seed or the pretrained files). A sharded job shards the frozen base with FSDP2 and keeps the adapters whole on
+every rank (they are small, and their first dimension, the rank, is smaller than most shard counts): their
+gradients are summed over all ranks, as full replicas' are.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import warnings
@@ -51,6 +55,38 @@ def is_adapted(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: under peft's wrapper (its adapters in place), or `model`."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
+def adapter_modules(model: torch.nn.Module) -> set[int]:
+    """The ids of the modules that hold adapter weights (peft's `lora_A`/`lora_B` linears)."""
+    return {id(m) for name, m in model.named_modules() if _is_adapter_name(name) and not list(m.children())}
+
+
+def init_adapters(model: torch.nn.Module, sink, *, seed: int) -> None:
+    """Initialise every adapter as peft does (`lora_A` Kaiming-uniform, `lora_B` zeros, so training starts from the
+    base model's function), whole on the CPU from a generator of its own seeded with `seed`, in parameter order,
+    and hand each to `sink(name, tensor)`: the same adapters whatever the layout and device (a model on the meta
+    device holds none)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not _is_adapter_name(name):
+            continue
+        whole = torch.zeros(param.shape, dtype=param.dtype)
+        if ".lora_A." in name:
+            torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+        sink(name, whole)
+
+
+def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's tensors under the names a Hugging Face folder stores them by (peft's `.base_layer` left
+    out), the adapters not among them."""
+    state = base_model(model).state_dict()
+    return {name.replace(".base_layer.", "."): t for name, t in state.items() if not _is_adapter_name(name)}
+
+
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' state dict as peft saves and loads it (`adapter_model.safetensors`'s keys)."""
     from peft import get_peft_model_state_dict
@@ -70,6 +106,10 @@ def save_adapter_folder(directory: Path, model: torch.nn.Module, *, tokenizer=No
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(partial, directory)
+
+
+def _is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:

@@ -25,8 +25,9 @@ from ckptless_core.transfer import local_tensor
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's repeated decoder blocks (what FSDP2 shards one by one); a ValueError for a model without them."""
-    base = getattr(model, "model", None)
-    blocks = getattr(base, "layers", None)
+    if hasattr(model, "get_base_model"):  # peft's wrapper (task=lora): the blocks are its base model's
+        model = model.get_base_model()
+    blocks = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise ValueError(
             f"parallel.shard>1 needs a model with its decoder blocks at model.layers (as Llama and GPT-OSS have); "
@@ -37,9 +38,12 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def check_shardable(model: torch.nn.Module, shard: int) -> None:
     """Refuse a shard count the model cannot take: a parameter whose first dimension is smaller than `shard`
-    would leave some rank an empty slice of it. Uneven first dimensions are padded by FSDP2."""
+    would leave some rank an empty slice of it. Uneven first dimensions are padded by FSDP2. Unsharded
+    parameters (`unsharded_params`: LoRA's adapters) take any."""
     decoder_blocks(model)
-    small = [(name, p.shape[0]) for name, p in model.named_parameters() if p.shape[0] < shard]
+    whole = unsharded_params(model)
+    named = [(name, p) for name, p in model.named_parameters() if p not in whole]
+    small = [(name, p.shape[0]) for name, p in named if p.shape[0] < shard]
     if small:
         name, size = min(small, key=lambda item: item[1])
         raise ValueError(
@@ -53,15 +57,26 @@ def device_mesh(layout: Layout, *, world_size: int, device_type: str) -> DeviceM
     return init_device_mesh(device_type, layout.mesh_shape(world_size), mesh_dim_names=("replicate", "shard"))
 
 
+def unsharded_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """Parameters FSDP2 leaves whole on every rank: the trainable ones when others are frozen (LoRA's adapters:
+    small, their gradients summed over all ranks like full replicas'), else none."""
+    params = list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return set()
+    return {p for p in params if p.requires_grad}
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, replica: Replica, *, bf16: bool = False) -> None:
     """FSDP2 inside each replica group (over the mesh's shard dimension) on every decoder block, then the root; the
     gradient shards summed across replica groups, and every collective interruptible (`ckptless_core.fsdp`). With
-    `bf16`, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded weights stay fp32)."""
+    `bf16`, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded weights stay fp32). The
+    `unsharded_params` stay whole and outside FSDP2."""
     replicate_group = mesh["replicate"].get_group()
     modules = [*decoder_blocks(model), model]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    whole = unsharded_params(model) or None
     for module in modules:
-        fully_shard(module, mesh=mesh["shard"], mp_policy=policy or MixedPrecisionPolicy())
+        fully_shard(module, mesh=mesh["shard"], mp_policy=policy or MixedPrecisionPolicy(), ignored_params=whole)
     for module in modules:
         protect(module, replica, replicate_group=replicate_group)
 

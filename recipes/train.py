@@ -32,7 +32,7 @@ from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, process_resources
 from ckptless_core.state_hash import param_sha256
-from ckptless_core.transfer import checkpoint_state, materialize_optimizer_state, state_tensors
+from ckptless_core.transfer import checkpoint_state, local_tensor, materialize_optimizer_state, state_tensors
 from recipes.data import (
     Batch,
     PackedSampler,
@@ -43,7 +43,14 @@ from recipes.data import (
     rank_sample_indices,
 )
 from recipes.hf_folder import load_hf_slices, save_hf_folder
-from recipes.lora import adapter_state_dict, add_adapters, save_adapter_folder
+from recipes.lora import (
+    adapter_modules,
+    adapter_state_dict,
+    add_adapters,
+    base_state_dict,
+    init_adapters,
+    save_adapter_folder,
+)
 from recipes.metrics import MetricsLog
 from recipes.model import build_hf_config, build_model, init_weights, named_tensors, packed_attention_masks
 from recipes.optim import build_optimizer, set_lr
@@ -57,6 +64,7 @@ from recipes.parallel import (
     full_state_dict,
     grad_norm,
     shard_model,
+    unsharded_params,
 )
 from recipes.schema import JobConfig, load_config
 from recipes.tokenizer import build_tokenizer
@@ -137,6 +145,12 @@ def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
     return TrainState(model=model, optimizer=optimizer, grads=grads, device=device)
 
 
+def adapter_seed(job: JobConfig) -> int:
+    """The seed LoRA's adapters are drawn from (`init_adapters`): one of their own, so every layout draws them
+    alike, after whatever the base's initialisation drew."""
+    return job.seed * 1_000_003 + 7
+
+
 def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
     """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured;
     under `task=lora` the base frozen and wrapped with its adapters (peft)."""
@@ -147,6 +161,10 @@ def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Mo
             model.enable_input_require_grads()  # a frozen embedding: the recomputed blocks still need a graph
     if job.task.kind == "lora":
         model = add_adapters(model, job.lora)
+        if not next(model.parameters()).is_meta:
+            init_adapters(
+                model, lambda name, whole: model.get_parameter(name).data.copy_(whole), seed=adapter_seed(job)
+            )
     model.train()
     if job.trainer.compile:
         for block in decoder_blocks(model):
@@ -168,20 +186,55 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     optimizer = build_optimizer(model, job.optim)
     materialize_optimizer_state(optimizer)
     if next(state.model.parameters()).is_meta:
-        torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
-        targets = dict(named_tensors(model))
-        # A slice that is received, loaded or read from files (and an untrusted one is received or loaded over
-        # whatever the allocation left) needs only what the state leaves out: non-persistent buffers (rotary
-        # frequencies).
-        pretrained = job.model.pretrained is not None and replica.valid
-        only = None if replica.valid and not pretrained else lambda module: bool(module._non_persistent_buffers_set)
-        init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]), only=only)
-        if pretrained:
-            load_hf_slices(model, Path(job.model.pretrained))
+        initialise_slices(
+            model, job, trusted=replica.valid, events=replica.events, generation=replica.generation.number
+        )
     else:
         copy_local_state(state.model, model)
         copy_optimizer_state(state.optimizer, optimizer)
     state.model, state.optimizer, state.shard_group = model, optimizer, mesh["shard"].get_group()
+    if unsharded_params(model):  # LoRA's adapters: whole on every rank, their gradients summed over all
+        state.grads = FlatGradients(model.parameters())
+
+
+@torch.no_grad()
+def initialise_slices(
+    model: torch.nn.Module, job: JobConfig, *, trusted: bool, events: EventLog, generation: int
+) -> None:
+    """This rank's slice of a freshly sharded model, as the first generation has it: initialised module by module
+    as the whole model would be (`init_weights`), or read from `model.pretrained` (each rank its own rows:
+    `load_hf_slices`); LoRA's adapters drawn whole (`init_adapters`). A state that is not `trusted` (it is received
+    or loaded next) needs only what the state leaves out: non-persistent buffers (rotary frequencies) and, under
+    LoRA, the frozen base, whose source and cost are an event (`frozen_base`)."""
+    started = time.perf_counter()
+    torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
+    targets = dict(named_tensors(model))
+    lora = job.task.kind == "lora"
+    adapters = adapter_modules(model) if lora else set()
+    pretrained = job.model.pretrained is not None
+
+    def needed(module: torch.nn.Module) -> bool:
+        if id(module) in adapters:
+            return False  # drawn below, from a generator of their own
+        if module._non_persistent_buffers_set:
+            return True
+        frozen = lora and any(not p.requires_grad for p in module.parameters(recurse=False))
+        return not pretrained and (trusted or frozen)
+
+    init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]), only=needed)
+    if pretrained and (trusted or lora):
+        load_hf_slices(base_state_dict(model) if lora else model.state_dict(), Path(job.model.pretrained))
+    if lora:
+        if trusted:
+            init_adapters(model, lambda name, whole: copy_slice(whole, into=targets[name]), seed=adapter_seed(job))
+        frozen = [local_tensor(p) for p in model.parameters() if not p.requires_grad]
+        events.emit(
+            "frozen_base",
+            generation=generation,
+            source="model.pretrained" if pretrained else "seed",
+            bytes=sum(t.numel() * t.element_size() for t in frozen),
+            seconds=round(time.perf_counter() - started, 6),
+        )
 
 
 def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampler, job: JobConfig) -> dict:
@@ -209,7 +262,7 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampl
         replica.all_reduce(loss)
     norm = None
     if job.trainer.grad_clip_norm > 0:  # before the critical section: sharded, it is a collective
-        norm = grad_norm(state.model, replica, shard_group=state.shard_group)
+        norm = grad_norm(state.model, replica, shard_group=None if state.grads is not None else state.shard_group)
     with replica.critical_section():
         if norm is not None:
             clip_grads(state.model, job.trainer.grad_clip_norm, norm)

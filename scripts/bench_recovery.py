@@ -9,9 +9,14 @@ same run.
 
     python scripts/bench_recovery.py                        # 3 repeats x 3 models x 2 layouts: ~15 min here
     python scripts/bench_recovery.py --models tiny_llama --repeats 1   # quick check
+    python scripts/bench_recovery.py --tasks sft lora --models llama_30m llama_124m   # LoRA against full fine-tuning
+
+`--tasks` picks what trains: `pretrain` (the default), `sft` (full fine-tuning on the built-in conversations) and
+`lora` (the same with adapters on a frozen base): a LoRA recovery moves only the adapters and their AdamW state, and
+each rank that takes a new slice of a sharded base rebuilds it from its source (reported as "frozen base").
 
 Targets: transfer at least 50 % of the loopback rate; recovery without the replayed step at most 0.3 s at ~30M
-parameters. Writes bench_results/bench_recovery.json and .md.
+parameters. Writes bench_results/bench_recovery.json and .md (`bench_recovery_<tasks>` for other tasks).
 """
 
 from __future__ import annotations
@@ -100,47 +105,54 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fault-step", type=int, default=4)
+    parser.add_argument("--tasks", nargs="+", default=["pretrain"], choices=["pretrain", "sft", "lora"])
     parser.add_argument("--out", type=Path, default=REPO / "bench_results")
     options = parser.parse_args()
     runs = options.out / "recovery_runs"
     results = []
-    for model in options.models:
-        for layout, layout_args in LAYOUTS.items():
-            summaries = []
-            for repeat in range(options.repeats):
-                summaries.append(
-                    launch(
-                        runs / f"{model}-{layout_args[0].split('=')[1]}-{repeat}",
-                        *MODELS[model],
-                        *layout_args,
-                        f"trainer.max_steps={options.fault_step + 2}",
-                        "fault=kill_worker",
-                        "fault.rank=1",
-                        f"fault.step={options.fault_step}",
-                    )
+    cases = [(model, layout, task) for model in options.models for layout in LAYOUTS for task in options.tasks]
+    for model, layout, task in cases:
+        layout_args = LAYOUTS[layout]
+        summaries = []
+        for repeat in range(options.repeats):
+            summaries.append(
+                launch(
+                    runs / f"{model}-{task}-{layout_args[0].split('=')[1]}-{repeat}",
+                    *MODELS[model],
+                    *layout_args,
+                    f"task={task}",
+                    f"trainer.max_steps={options.fault_step + 2}",
+                    "fault=kill_worker",
+                    "fault.rank=1",
+                    f"fault.step={options.fault_step}",
                 )
-            recoveries = [s["recoveries"][0] for s in summaries if s["recoveries"] and s["recoveries"][0]["completed"]]
-            median = {key: statistics.median(r[key] for r in recoveries) for key in PHASES}
-            moved = statistics.median(r["bytes_moved"] for r in recoveries)
-            rate = statistics.median(r["bytes_moved"] / r["transfer_s"] for r in recoveries)
-            loopback = loopback_rate(int(moved))
-            results.append(
-                {
-                    "model": model,
-                    "layout": layout,
-                    "runs": len(summaries),
-                    "recovered": len(recoveries),
-                    "median_s": median,
-                    "without_replay_s": statistics.median(r["time_to_recover_s"] - r["replay_s"] for r in recoveries),
-                    "bytes_moved": moved,
-                    "source_ranks": [r["source_ranks"] for r in recoveries],
-                    "transfer_bytes_per_s": rate,
-                    "loopback_bytes_per_s": loopback,
-                    "rate_fraction_of_loopback": rate / loopback,
-                    "param_sha256": sorted({s["param_sha256"] for s in summaries}),
-                }
             )
-    at_30m = [r["without_replay_s"] for r in results if r["model"] == "llama_30m"]
+        recoveries = [s["recoveries"][0] for s in summaries if s["recoveries"] and s["recoveries"][0]["completed"]]
+        median = {key: statistics.median(r[key] for r in recoveries) for key in PHASES}
+        moved = statistics.median(r["bytes_moved"] for r in recoveries)
+        rate = statistics.median(r["bytes_moved"] / r["transfer_s"] for r in recoveries)
+        loopback = loopback_rate(int(moved))
+        frozen = [r for r in recoveries if "frozen_base_bytes" in r]
+        results.append(
+            {
+                "model": model,
+                "layout": layout,
+                "task": task,
+                "runs": len(summaries),
+                "recovered": len(recoveries),
+                "median_s": median,
+                "without_replay_s": statistics.median(r["time_to_recover_s"] - r["replay_s"] for r in recoveries),
+                "bytes_moved": moved,
+                "source_ranks": [r["source_ranks"] for r in recoveries],
+                "transfer_bytes_per_s": rate,
+                "loopback_bytes_per_s": loopback,
+                "rate_fraction_of_loopback": rate / loopback,
+                "param_sha256": sorted({s["param_sha256"] for s in summaries}),
+                "frozen_base_bytes": statistics.median(r["frozen_base_bytes"] for r in frozen) if frozen else 0,
+                "frozen_base_s": statistics.median(r["frozen_base_s"] for r in frozen) if frozen else 0.0,
+            }
+        )
+    at_30m = [r["without_replay_s"] for r in results if r["model"] == "llama_30m" and r["task"] != "lora"]
     result = {
         **provenance(),
         "setup": f"cluster=local, 4 workers + 1 spare, kill_worker of rank 1 at step {options.fault_step}",
@@ -155,18 +167,22 @@ def main() -> int:
     lines = [
         f"{result['setup']}; medians of {options.repeats} runs each.",
         "",
-        "| model | layout | detect | rebuild | transfer | replay | recovery without replay | moved | transfer rate "
-        "| loopback TCP | same hash every run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | layout | task | detect | rebuild | transfer | replay | recovery without replay | moved "
+        "| frozen base rebuilt | transfer rate | loopback TCP | same hash every run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         m = r["median_s"]
-        lines.append(
-            f"| {r['model']} | {r['layout']} | {m['detect_s']:.3f} s | {m['rebuild_s']:.3f} s | {m['transfer_s']:.3f} s "
-            f"| {m['replay_s']:.3f} s | {r['without_replay_s']:.3f} s | {r['bytes_moved'] / 1e6:.1f} MB "
-            f"| {r['transfer_bytes_per_s'] / 1e9:.2f} GB/s | {r['loopback_bytes_per_s'] / 1e9:.2f} GB/s "
-            f"| {'yes' if len(r['param_sha256']) == 1 else 'NO'} |"
+        frozen = (
+            f"{r['frozen_base_bytes'] / 1e6:.1f} MB in {r['frozen_base_s']:.3f} s" if r["frozen_base_bytes"] else "-"
         )
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['task']} | {m['detect_s']:.3f} s | {m['rebuild_s']:.3f} s "
+            f"| {m['transfer_s']:.3f} s | {m['replay_s']:.3f} s | {r['without_replay_s']:.3f} s "
+            f"| {r['bytes_moved'] / 1e6:.2f} MB | {frozen} | {r['transfer_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"| {r['loopback_bytes_per_s'] / 1e9:.2f} GB/s | {'yes' if len(r['param_sha256']) == 1 else 'NO'} |"
+        )
+    lines += lora_against_full(results)
     targets = result["targets"]
     lines += [
         "",
@@ -174,8 +190,32 @@ def main() -> int:
         f"{'met' if targets['met_transfer'] else 'NOT met'}; recovery without the replayed step at most "
         f"{TARGET_RECOVERY_30M_S} s at ~30M parameters: {'met' if targets['met_recovery_at_30m'] else 'NOT met'}.",
     ]
-    write_report(options.out, "bench_recovery", result, lines)
+    name = "bench_recovery" if options.tasks == ["pretrain"] else "bench_recovery_" + "_".join(options.tasks)
+    write_report(options.out, name, result, lines)
     return 0
+
+
+def lora_against_full(results: list[dict]) -> list[str]:
+    """For each model and layout run both ways: LoRA's bytes moved and recovery time against full fine-tuning's."""
+    lines = []
+    for lora in (r for r in results if r["task"] == "lora"):
+        full = next(
+            (
+                r
+                for r in results
+                if r["task"] == "sft" and r["model"] == lora["model"] and r["layout"] == lora["layout"]
+            ),
+            None,
+        )
+        if full is None:
+            continue
+        lines.append(
+            f"- {lora['model']}, {lora['layout']}: LoRA moved {lora['bytes_moved'] / full['bytes_moved']:.2%} of full "
+            f"fine-tuning's bytes ({lora['bytes_moved'] / 1e6:.2f} MB against {full['bytes_moved'] / 1e6:.1f} MB) and "
+            f"recovered in {lora['without_replay_s']:.3f} s against {full['without_replay_s']:.3f} s without the "
+            "replayed step"
+        )
+    return ["", "LoRA against full fine-tuning (same model, layout and data):", *lines] if lines else []
 
 
 if __name__ == "__main__":

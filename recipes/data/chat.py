@@ -1,7 +1,8 @@
 """Conversations for supervised fine-tuning: where they come from, what a valid one is, and the built-in ones.
 
 A conversation is a list of messages `{"role": ..., "content": ...}` with at least one assistant turn. Sources:
-`chat` (rows of local .jsonl/.json/.parquet files, or a hub dataset, with a `data.messages_field` column) and
+`chat` (rows of local .jsonl/.json/.parquet files, a local dataset directory or a hub dataset, with a
+`data.messages_field` column) and
 `synthetic` (built-in conversations with learnable answers, for offline smoke runs).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from recipes.data.sources import builder_for
+from recipes.data.sources import load_rows
 from recipes.schema import DataConfig
 
 SYNTHETIC_CHAT_VERSION = 1
@@ -24,16 +25,8 @@ def iter_conversations(config: DataConfig) -> Iterator[Conversation]:
     if config.source == "synthetic":
         yield from synthetic_conversations(seed=0, num_bytes=config.synthetic_num_bytes)
         return
-    import datasets
-
-    if config.paths:
-        where = f"data.paths={list(config.paths)}"
-        files = {config.split: [str(p) for p in config.paths]}
-        rows = datasets.load_dataset(builder_for(config.paths), data_files=files, split=config.split, streaming=True)
-    else:
-        where = f"data.name={config.name!r}"
-        rows = datasets.load_dataset(config.name, split=config.split, streaming=True)
-    for number, row in enumerate(rows, start=1):
+    where = f"data.paths={list(config.paths)}" if config.paths else f"data.name={config.name!r}"
+    for number, row in enumerate(load_rows(config), start=1):
         if config.messages_field not in row:
             raise ValueError(
                 f"{where}: row {number} has no {config.messages_field!r} column (it has "

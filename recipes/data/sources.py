@@ -7,7 +7,7 @@ Sources: `synthetic` (the built-in corpus), `text_files` (one document per file)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from recipes.data.synthetic import SYNTHETIC_VERSION, synthetic_text
@@ -55,11 +55,19 @@ def check_data_config(config: DataConfig, *, task: str = "pretrain") -> None:
         raise ValueError("data.source=text_files needs data.paths: a list of UTF-8 text files")
     if config.source in ("hf_dataset", "chat"):
         if not config.paths and not config.name:
-            raise ValueError(f"data.source={config.source} needs data.paths (local files) or data.name (a hub dataset)")
+            raise ValueError(
+                f"data.source={config.source} needs data.paths (local files) or data.name (a local dataset "
+                "directory, or a hub dataset)"
+            )
         if config.paths and config.name:
             raise ValueError(
                 f"data.source={config.source} takes data.paths or data.name, not both; set the other to null"
             )
+    if config.name and config.name.startswith(("/", ".", "~")) and not Path(config.name).expanduser().is_dir():
+        raise ValueError(
+            f"data.name={config.name!r} looks like a path but is not a directory; name a local dataset directory "
+            "(save_to_disk's, or one of data files) or a hub dataset"
+        )
     for path in config.paths:
         if not Path(path).expanduser().is_file():
             raise ValueError(f"data.paths: {path!r} does not exist or is not a file")
@@ -97,7 +105,10 @@ def source_identity(config: DataConfig) -> str:
     if config.source == "synthetic":
         parts: dict = {"source": "synthetic", "version": SYNTHETIC_VERSION, "num_bytes": config.synthetic_num_bytes}
     else:
-        parts = {"source": config.source, "files": [_file_identity(Path(p)) for p in config.paths]}
+        files = [Path(p) for p in config.paths]
+        if config.name and Path(config.name).expanduser().is_dir():  # a local dataset: every file in it
+            files = sorted(f for f in Path(config.name).expanduser().rglob("*") if f.is_file())
+        parts = {"source": config.source, "files": [_file_identity(f) for f in files]}
         if config.source == "hf_dataset":
             parts.update(name=config.name, split=config.split, text_field=config.text_field)
         if config.source == "chat":
@@ -129,19 +140,35 @@ def builder_for(paths: list[str]) -> str:
     return builders.pop()
 
 
-def _iter_hf_dataset(config: DataConfig) -> Iterator[str]:
+def load_rows(config: DataConfig) -> Iterable[dict]:
+    """The rows of a `datasets` source (`hf_dataset`, `chat`): local files (`data.paths`, filed under `data.split`,
+    so any split name works for them), a local dataset directory (`data.name`: one `save_to_disk` wrote, or data
+    files `load_dataset` reads), or a hub dataset (`data.name`, needs the network)."""
     import datasets
 
     # Streaming reads rows once without building an Arrow copy of the corpus in the HF cache: the token file is
-    # the only copy this project keeps. Local files are filed under `data.split`, so any split name works for them.
+    # the only copy this project keeps.
     if config.paths:
         paths = [str(Path(p).expanduser()) for p in config.paths]
-        rows = datasets.load_dataset(
+        return datasets.load_dataset(
             builder_for(config.paths), data_files={config.split: paths}, split=config.split, streaming=True
         )
-    else:
-        rows = datasets.load_dataset(config.name, split=config.split, streaming=True)
-    for row in rows:
+    local = Path(config.name).expanduser()
+    if (local / "dataset_dict.json").is_file() or (local / "state.json").is_file():  # save_to_disk's layout
+        saved = datasets.load_from_disk(str(local))
+        if isinstance(saved, datasets.DatasetDict):
+            if config.split not in saved:
+                raise ValueError(
+                    f"data.name={config.name!r} has no split {config.split!r} (it has {', '.join(saved)}); set "
+                    "data.split"
+                )
+            saved = saved[config.split]
+        return saved
+    return datasets.load_dataset(config.name, split=config.split, streaming=True)
+
+
+def _iter_hf_dataset(config: DataConfig) -> Iterator[str]:
+    for row in load_rows(config):
         if config.text_field not in row:
             raise ValueError(
                 f"data.text_field={config.text_field!r} is not a column of the dataset; its columns are "

@@ -75,6 +75,24 @@ def test_big_recipes_match_published_parameter_counts(name, total, active_billio
         assert round(plan.active_params / 1e9, 1) == active_billions
 
 
+@pytest.mark.parametrize("task", packaged_options("task"))
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_plans_every_task(name, task):
+    """On the meta device, with the adapters under LoRA: the base is the recipe's whole model; LoRA trains well
+    under 1 % of a published model (tiny ones: far more), and a replacement receives the adapters' state only;
+    every layout fits an 80 GB GPU."""
+    pretrain = build_plan(compose_job([f"recipe={name}"]).job)
+    plan = build_plan(compose_job([f"recipe={name}", f"task={task}"]).job)
+    assert plan.total_params == pretrain.total_params
+    assert plan.per_rank_bytes < 70 * 2**30
+    if task == "lora":
+        share = 0.2 if name.startswith("tiny_") else 0.01
+        assert 0 < plan.trainable_params < share * plan.total_params
+        assert plan.state_bytes < share * pretrain.state_bytes and plan.frozen_bytes > 0
+    else:
+        assert plan.trainable_params == plan.total_params and plan.frozen_bytes == 0
+
+
 DATA_OPTION_NEEDS = {  # what each source needs beside itself to validate
     "text_files": ["data.paths=[{text}]"],
     "hf_dataset": ["data.paths=[{text}]"],

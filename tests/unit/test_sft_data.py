@@ -160,6 +160,20 @@ def test_the_sample_of_a_step_is_a_pure_function_of_seed_step_and_index(tmp_path
     assert not torch.equal(whole.input_ids, sampler.batch(8, range(8)).input_ids)
 
 
+@pytest.mark.parametrize("split", [None, "train"])
+def test_conversations_come_from_a_local_dataset_directory(tmp_path, split):
+    """A dataset `save_to_disk` wrote (one split, or a dict of splits), named by data.name."""
+    import datasets
+
+    dataset = datasets.Dataset.from_list([{"messages": chat, "id": i} for i, chat in enumerate(CHATS)])
+    (datasets.DatasetDict({split: dataset}) if split else dataset).save_to_disk(str(tmp_path / "chats"))
+    config = DataConfig(source="chat", name=str(tmp_path / "chats"))
+    check_data_config(config, task="sft")
+    assert list(iter_conversations(config)) == CHATS
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_data_config(DataConfig(source="chat", name=str(tmp_path / "none")), task="sft")
+
+
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
