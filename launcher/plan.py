@@ -16,7 +16,8 @@ from recipes.schema import JobConfig
 
 GIB = 1024**3
 WEIGHT_BYTES = 4
-"""fp32 master weights (bf16 runs autocast the compute, the weights stay fp32)."""
+"""fp32 master weights of what trains (bf16 runs autocast the compute, the weights stay fp32); a frozen base is
+counted in its own dtype (`recipes.lora.base_dtype`)."""
 GRAD_BYTES = 4
 """fp32 gradients in one flat buffer."""
 ADAM_BYTES = 8
@@ -67,11 +68,13 @@ class Plan:
 def build_plan(job: JobConfig) -> Plan:
     """Builds the model on the meta device (no memory), with its adapters under LoRA, and derives what each rank
     would hold."""
-    model = build_model(job.model, device="meta")
-    if job.task.kind == "lora":
-        from recipes.lora import add_adapters  # (peft's imports cost every other launch a second)
+    lora = job.task.kind == "lora"
+    if lora:
+        from recipes.lora import add_adapters, base_dtype  # (peft's imports cost every other launch a second)
 
-        model = add_adapters(model, job.lora)
+        model = add_adapters(build_model(job.model, device="meta", dtype=base_dtype(job)), job.lora)
+    else:
+        model = build_model(job.model, device="meta")
     shard = job.parallel.shard
     if shard > 1:
         from recipes.parallel import check_shardable  # (FSDP2's imports cost every launcher half a second)
@@ -80,10 +83,9 @@ def build_plan(job: JobConfig) -> Plan:
     total = sum(p.numel() for p in model.parameters() if p.requires_grad == (job.task.kind != "lora"))  # the base
     # The largest slice any rank holds: FSDP2 cuts each parameter's first dimension into `shard` parts, padded.
     # LoRA's adapters stay whole on every rank (`recipes.parallel.unsharded_params`); the frozen base is sharded.
-    lora = job.task.kind == "lora"
-    per_rank = sum(p.numel() if lora and p.requires_grad else _slice_numel(p, shard) for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable_per_rank = sum(p.numel() if lora else _slice_numel(p, shard) for p in trainable)
+    frozen_bytes = sum(_slice_numel(p, shard) * p.element_size() for p in model.parameters() if not p.requires_grad)
     config = model.config
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -99,11 +101,11 @@ def build_plan(job: JobConfig) -> Plan:
         total_params=total,
         active_params=total - experts_inactive - input_embedding,
         trainable_params=sum(p.numel() for p in trainable),
-        weights_bytes=per_rank * WEIGHT_BYTES,
+        weights_bytes=trainable_per_rank * WEIGHT_BYTES + frozen_bytes,
         grads_bytes=trainable_per_rank * GRAD_BYTES,
         optimizer_bytes=trainable_per_rank * ADAM_BYTES,
         state_bytes=trainable_per_rank * (WEIGHT_BYTES + ADAM_BYTES),
-        frozen_bytes=(per_rank - trainable_per_rank) * WEIGHT_BYTES,
+        frozen_bytes=frozen_bytes,
         lora_targets=tuple(sorted(model.peft_config["default"].target_modules)) if lora else (),
         activations_bytes=_activation_bytes(job, config),
         tokens_per_step=trainer.global_batch_size * job.data.seq_len,
@@ -247,9 +249,11 @@ def _recovery_line(job: JobConfig, plan: Plan) -> str:
             f"{groups - 1} other replica group(s)"
         )
     line = f"{holders}; a lost rank's replacement receives {_gib(plan.state_bytes)} from one of them"
-    if plan.frozen_bytes:
-        source = "model.pretrained" if job.model.pretrained is not None else "the seed"
+    source = "model.pretrained" if job.model.pretrained is not None else "the seed"
+    if plan.frozen_bytes and plan.shard > 1:
         line += f" and rebuilds its {_gib(plan.frozen_bytes)} of the frozen base from {source}"
+    elif plan.frozen_bytes:
+        line += f" (a hot spare built the frozen base from {source} before it was promoted)"
     return line
 
 

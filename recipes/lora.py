@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from recipes.schema import LoraConfig
+from recipes.schema import JobConfig, LoraConfig
+
+
+def base_dtype(job: JobConfig) -> torch.dtype:
+    """The dtype of the model's weights: a frozen base (LoRA) in bf16 when the job computes in bf16 (nothing
+    updates it, so it needs no float32 master copy: half the memory), else float32. Adapters stay float32."""
+    return torch.bfloat16 if job.task.kind == "lora" and job.trainer.precision == "bf16" else torch.float32
 
 
 def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:

@@ -68,8 +68,11 @@ def _init_argument_names(config_class) -> set[str]:
     return set(inspect.signature(config_class.__init__).parameters)
 
 
-def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The causal LM with its weights: loaded from `model.pretrained`, else initialised from the global torch seed.
+def build_model(
+    config: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The causal LM with its weights in `dtype`: loaded from `model.pretrained`, else initialised from the global
+    torch seed.
 
     On the meta device nothing is allocated: the launcher's plan builds every job's model there before any worker
     starts, so a config the model class rejects is refused (ValueError naming the field) as bad input.
@@ -79,12 +82,12 @@ def build_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> t
     hf_config = build_hf_config(config)
     if config.pretrained is not None and torch.device(device).type != "meta":
         model = AutoModelForCausalLM.from_pretrained(
-            config.pretrained, config=hf_config, local_files_only=True, dtype=torch.float32
+            config.pretrained, config=hf_config, local_files_only=True, dtype=dtype
         )
         return model.to(device)
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         except _rejections() as error:
             field = "model.hf_config" if config.pretrained is None else f"model.pretrained={config.pretrained!r}"
             raise ValueError(

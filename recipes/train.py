@@ -47,6 +47,7 @@ from recipes.lora import (
     adapter_modules,
     adapter_state_dict,
     add_adapters,
+    base_dtype,
     base_state_dict,
     init_adapters,
     save_adapter_folder,
@@ -154,7 +155,7 @@ def adapter_seed(job: JobConfig) -> int:
 def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
     """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured;
     under `task=lora` the base frozen and wrapped with its adapters (peft)."""
-    model = build_model(job.model, device=device)
+    model = build_model(job.model, device=device, dtype=base_dtype(job))
     if job.trainer.activation_checkpointing:
         model.activation_checkpointing_enable()
         if job.task.kind == "lora":
@@ -175,10 +176,8 @@ def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Mo
 def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
     """Shard a fresh model and optimizer over the current generation's ranks (built on the meta device, then
     allocated) and give it this rank's slice of the current state: of a sharded model its local shards (see
-    `recipes.parallel`). A model still on the meta device (the first generation's, a spare's) has its slice
-    initialised, module by module, as the whole model would be (`init_weights`), or read from `model.pretrained`
-    (each rank its own rows: `load_hf_slices`); one this rank does not trust (received or loaded next) only what the
-    state leaves out."""
+    `recipes.parallel`). A model still on the meta device (the first generation's, a spare's) gets its slice from
+    `initialise_slices`."""
     mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=state.device.type)
     model = training_model(job, device="meta")
     shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")

@@ -3,6 +3,7 @@
 import shlex
 
 import pytest
+import torch
 
 from ckptless_core.dist import WorkerEnv
 from launcher.compose import compose_job
@@ -150,3 +151,32 @@ def test_a_sharded_rank_holds_its_slice_of_weights_gradients_and_optimizer_state
     assert state(sharded) == 16 * (tiny_llama_param_count() - 2 * 257 * 128) // 4 + 16 * 2 * 65 * 128
     assert state(sharded) < state(whole) / 3.9
     assert sharded.activations_bytes == whole.activations_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_lora_plan_counts_the_frozen_base_in_its_dtype_and_the_adapters_whole(precision):
+    """Rank-8 adapters on q_proj and v_proj of each of the 4 layers (hidden 128, key/value width 64): whole on every
+    rank, float32 with their AdamW state; the frozen base sharded over 2 (one replica group: the plan needs none), in bf16 when the job computes in bf16."""
+    adapters = 4 * (8 * 128 + 128 * 8 + 8 * 128 + 64 * 8)
+    _, plan = plan_for("recipe=tiny_llama", "task=lora", f"trainer.precision={precision}", "cluster.nproc=2")
+    _, sharded = plan_for(
+        "recipe=tiny_llama", "task=lora", f"trainer.precision={precision}", "cluster.nproc=2", "parallel.shard=2"
+    )
+    size = 2 if precision == "bf16" else 4
+    # Halves, but for the 257-row embedding and output layer: each rank's slice of those is 129 rows (padded).
+    half = (tiny_llama_param_count() // 2 + 2 * 128 // 2) * size
+    assert plan.trainable_params == sharded.trainable_params == adapters
+    assert plan.total_params == tiny_llama_param_count()
+    assert plan.frozen_bytes == tiny_llama_param_count() * size and sharded.frozen_bytes == half
+    assert sharded.weights_bytes == half + adapters * 4
+    assert sharded.grads_bytes == adapters * 4 and sharded.optimizer_bytes == adapters * 8
+    assert sharded.state_bytes == adapters * 12  # what a replacement receives: adapters and their AdamW moments
+
+
+def test_a_lora_model_keeps_its_frozen_base_in_bf16_and_its_adapters_in_float32():
+    from recipes.train import training_model
+
+    job = compose_job(["recipe=tiny_llama", "task=lora", "trainer.precision=bf16"]).job
+    model = training_model(job, device="meta")
+    dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
