@@ -62,6 +62,8 @@ class LocalCluster(CoordinatorProcess):
     def close(self) -> None:
         """Stop the job (the agent exits once its workers are gone); an agent never given a job is killed."""
         started = self.process is not None
+        if not started:  # first: it would report the coordinator's closed connection as a failed handshake
+            self.agent.kill()
         super().close()
         try:
             self.agent.wait(timeout=10.0 if started else 0.0)

@@ -128,3 +128,31 @@ def test_missing_recipe_is_refused(launch, tmp_path):
     proc = launch(cwd=tmp_path)
     assert proc.returncode == 2
     assert "recipe=" in proc.stderr and "tiny_llama" in proc.stderr
+
+
+FINE_TUNING_BAD_INPUTS = {
+    "LoRA on modules the model lacks": (["task=lora", "lora.target_modules=[c_attn]"], "no linear module named c_attn"),
+    "chat rows without messages": (["task=sft", "data=chat", "data.paths=[{dir}/texts.jsonl]"], "no 'messages' column"),
+    "a conversation without an answer": (["task=sft", "data=chat", "data.paths=[{dir}/asks.jsonl]"], "row 2"),
+    "conversations to pretrain on": (["data=chat", "data.paths=[{dir}/asks.jsonl]"], "add task=sft"),
+    "a pretrained folder without config.json": (["model.pretrained={dir}"], "config.json"),
+    "a pretrained folder without weights": (["model.pretrained={dir}/config_only"], "safetensors"),
+    "a tokenizer larger than the vocabulary": (["model.hf_config.vocab_size=200"], "vocab_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FINE_TUNING_BAD_INPUTS))
+def test_bad_fine_tuning_input_is_refused_before_anything_starts(launch, tmp_path_factory, tmp_path, case):
+    inputs = tmp_path_factory.mktemp("inputs")
+    (inputs / "texts.jsonl").write_text('{"text": "hello"}\n')
+    answered = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    (inputs / "asks.jsonl").write_text(answered + '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (inputs / "config_only").mkdir()
+    (inputs / "config_only" / "config.json").write_text('{"model_type": "llama"}')
+    overrides, expected = FINE_TUNING_BAD_INPUTS[case]
+    overrides = [o.format(dir=inputs) for o in overrides]
+    proc = launch("recipe=tiny_llama", *overrides, "trainer.max_steps=2", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr and "handshake" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
