@@ -11,6 +11,7 @@ import torch
 
 from launcher.errors import ConfigError
 from launcher.torchrun import torchrun_command
+from recipes.lora import base_model
 from recipes.model import build_model
 from recipes.schema import JobConfig
 
@@ -97,7 +98,7 @@ def build_plan(job: JobConfig) -> Plan:
     input_embedding = 0 if tied else model.get_input_embeddings().weight.numel()
     trainer = job.trainer
     return Plan(
-        architecture=type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
+        architecture=type(base_model(model)).__name__,
         total_params=total,
         active_params=total - experts_inactive - input_embedding,
         trainable_params=sum(p.numel() for p in trainable),

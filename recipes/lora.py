@@ -27,8 +27,8 @@ def base_dtype(job: JobConfig) -> torch.dtype:
 
 
 def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
-    """`model` wrapped by peft with fresh adapters (drawn from the global torch seed) on `config.target_modules`,
-    or on peft's default modules for the architecture; every other parameter frozen. Modules the model lacks are
+    """`model` wrapped by peft with adapters (peft's own draws; `init_adapters` gives every layout the same ones) on
+    `config.target_modules`, or on peft's default modules for the architecture; every other parameter frozen. Modules the model lacks are
     refused (ValueError naming them and the ones it has)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -55,15 +55,9 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         return get_peft_model(model, peft_config)
 
 
-def is_adapted(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model itself: under peft's wrapper (its adapters in place), or `model`."""
-    return model.get_base_model() if is_adapted(model) else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def adapter_modules(model: torch.nn.Module) -> set[int]:

@@ -21,12 +21,12 @@ from ckptless_core.fsdp import protect
 from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica
 from ckptless_core.transfer import local_tensor
+from recipes.lora import base_model
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's repeated decoder blocks (what FSDP2 shards one by one); a ValueError for a model without them."""
-    if hasattr(model, "get_base_model"):  # peft's wrapper (task=lora): the blocks are its base model's
-        model = model.get_base_model()
+    model = base_model(model)  # under peft's wrapper (task=lora), the blocks are its base model's
     blocks = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise ValueError(

@@ -107,6 +107,11 @@ def test_a_sharded_lora_job_that_loses_a_worker_moves_only_adapters_and_ends_bit
         inputs / "lora-reference" / "hf",
     )
     assert param_sha256(get_peft_model_state_dict(unsharded)) == lora_reference
+    # The adapter names its base: one call loads both.
+    from peft import AutoPeftModelForCausalLM
+
+    both = AutoPeftModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True)
+    assert param_sha256(get_peft_model_state_dict(both)) == summary["param_sha256"]
     # What moved is the adapters with their AdamW moments (and the optimizer's step counters), a fraction of full
     # fine-tuning's state; the spare's slice of the frozen base was read from the files, not moved.
     adapter_state = sum(t.numel() for t in adapters.values()) * 4 * 3
