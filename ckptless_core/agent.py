@@ -3,9 +3,8 @@ fork server, watches them (an exit is seen at once), signals and fences them on 
 between them and the coordinator. It is the only way the coordinator reaches a host's processes.
 
 When the coordinator's channel closes without a Shutdown (the coordinator died), the agent keeps its workers
-training, reconnects with backoff, and resends what a restarted coordinator needs (each worker's start, readiness,
-latest progress, failure and exit); after `coordinator_timeout_s` without one it stops them at a step boundary and
-exits (code 3).
+training while its link (`coordinator_link`) reconnects and resends what a restarted coordinator needs; after
+`coordinator_timeout_s` without one it stops them at a step boundary and exits (code 3).
 
 A channel that stays open while the coordinator falls silent is a partition: the coordinator will replace this
 host's ranks after `host_timeout_s`. So when nothing came from it for `lease_s` (shorter) while no worker of this
@@ -21,7 +20,6 @@ No Hydra and no transformers here: what the host runs comes from the coordinator
 from __future__ import annotations
 
 import argparse
-import hashlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -36,21 +34,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptless_core.coordinator_link import CoordinatorLink
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
-    PROTOCOL_VERSION,
     WORKER_REPORTS,
     Channel,
     ChannelClosed,
-    CoordinatorHeartbeat,
     FenceWorker,
     Generation,
     Hello,
-    HostHeartbeat,
-    Progress,
     ProtocolError,
     Refused,
-    Resent,
     Shutdown,
     SignalWorker,
     StartWorker,
@@ -59,7 +53,6 @@ from ckptless_core.protocol import (
     WorkerExited,
     WorkerStarted,
     accept_channel,
-    connect_channel,
     read_secret,
 )
 from ckptless_core.worker_process import exit_with, run_worker
@@ -89,16 +82,6 @@ class HostJob:
     """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
 
 
-RESEND_ORDER = ("WorkerStarted", "Ready", "committed", "Progress", "FailureReport", "SourceAnnounced", "WorkerExited")
-"""What an agent keeps of each worker (its latest of each) and resends, in this order, to a restarted coordinator."""
-
-
-def config_sha256(run_dir: str | Path | None) -> str:
-    """SHA-256 of the run's `config.yaml`, which every agent and the coordinator must share ('' without one)."""
-    path = Path(run_dir) / "config.yaml" if run_dir else None
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path and path.is_file() else ""
-
-
 class Agent:
     def __init__(
         self,
@@ -126,34 +109,16 @@ class Agent:
         self.stop_at: StopAt | None = None
         self.context = None
         self.job: HostJob | None = None
-        self.reports: dict[str, dict[str, object]] = {}
-        """Per worker, its latest report of each kind (RESEND_ORDER)."""
-        self._send_lock = threading.RLock()
-        self.connected = threading.Event()
-        self.coordinator_heard_at = self.last_commit_at = time.monotonic()
         self.fenced = False
-        self.coordinator = self._connect_once(connect_timeout_s)
+        self.uplink = CoordinatorLink(
+            address=coordinator, host=host, secret=secret, run_dir=run_dir, connect_timeout_s=connect_timeout_s
+        )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.events: EventLog | None = None
 
-    def _connect_once(self, timeout_s: float) -> Channel:
-        """Connect and say Hello, waiting up to `timeout_s` for the coordinator to answer (its listening socket may
-        be held for a coordinator that is still starting)."""
-        channel = connect_channel(self.address, secret=self.secret, timeout_s=max(1.0, timeout_s))
-        channel.send(
-            Hello(
-                role="agent",
-                name=self.host,
-                version=str(PROTOCOL_VERSION),
-                config_sha256=config_sha256(self.run_dir),
-                pid=os.getpid(),
-            )
-        )
-        return channel
-
     def run(self, *, preload: list[str]) -> int:
         try:
-            reply = self.coordinator.recv()
+            reply = self.uplink.channel.recv()
         except ChannelClosed:
             return EXIT_COORDINATOR_LOST  # the job ended before this host was needed
         if isinstance(reply, Refused):
@@ -161,16 +126,19 @@ class Agent:
             return EXIT_REFUSED
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
-        self.connected.set()
         self.job = HostJob(**reply.job)
         self.context = start_fork_server(preload or self.job.preload)
         self.events = EventLog(
             Path(self.job.run_dir) / "events" / f"agent-{self.host}.jsonl", worker=f"agent-{self.host}"
         )
         self.events.emit("agent_joined", pid=os.getpid())
-        threading.Thread(target=self._read_coordinator, name="coordinator", daemon=True).start()
+        self.uplink.start(
+            events=self.events,
+            deliver=lambda message: self._put(None, message),
+            heartbeat_interval_s=self.job.heartbeat_interval_s,
+            coordinator_timeout_s=self.job.coordinator_timeout_s,
+        )
         threading.Thread(target=self._accept_workers, name="accept", daemon=True).start()
-        threading.Thread(target=self._beat, name="host-heartbeat", daemon=True).start()
         try:
             return self._serve()
         finally:
@@ -256,7 +224,7 @@ class Agent:
         )
         process.start()
         self.processes[order.worker] = process
-        self._send(WorkerStarted(worker=order.worker, pid=process.pid, spare=order.spare))
+        self.uplink.send(WorkerStarted(worker=order.worker, pid=process.pid, spare=order.spare))
 
     def _free_slot(self, worker: str) -> int:
         taken = set(self.slots.values())
@@ -267,11 +235,11 @@ class Agent:
         """Connected, yet silent for `lease_s`, while this host's members of the generation commit nothing."""
         now = time.monotonic()
         members = [name for name in self.generation.members if name in self.processes]
-        silent = now - self.coordinator_heard_at > self.job.lease_s and self.connected.is_set()
-        return not self.fenced and bool(members) and silent and now - self.last_commit_at > self.job.lease_s
+        silent = now - self.uplink.heard_at > self.job.lease_s and self.uplink.connected.is_set()
+        return not self.fenced and bool(members) and silent and now - self.uplink.last_commit_at > self.job.lease_s
 
     def _fence_self(self) -> None:
-        silent_s = time.monotonic() - self.coordinator_heard_at
+        silent_s = time.monotonic() - self.uplink.heard_at
         self.fenced = True
         for name in list(self.processes):
             self._signal(name, signal.SIGKILL)
@@ -280,13 +248,12 @@ class Agent:
         message = f"no word from the coordinator for {silent_s:.1f} s (ft.lease_s={self.job.lease_s}) while no step"
         print(f"agent {self.host}: {message} committed: cut off, its workers fenced", file=sys.stderr, flush=True)
         self.events.emit("self_fenced", silent_s=silent_s, lease_s=self.job.lease_s)
-        self.connected.clear()
-        self.coordinator.close()  # the reader thread tries to reach the coordinator again
+        self.uplink.cut_off()
 
     def _stop_workers_cleanly(self) -> None:
         """No coordinator came back: this host's workers stop together two steps past the most advanced one (writing
         their final checkpoint where configured), as on a stop request; those left after the grace are killed."""
-        committed = {name: kept["committed"].step for name, kept in self.reports.items() if "committed" in kept}
+        committed = {name: kept["committed"].step for name, kept in self.uplink.reports.items() if "committed" in kept}
         self._handle(StopAt(step=max(committed.values(), default=0) + 2))
         deadline = time.monotonic() + self.job.coordinator_timeout_s
         for name, process in list(self.processes.items()):
@@ -304,42 +271,13 @@ class Agent:
         link = self.links.pop(name, None)
         if link is not None:
             link.close()
-        self._send(WorkerExited(worker=name, exit_code=code))
+        self.uplink.send(WorkerExited(worker=name, exit_code=code))
 
     def _relay(self, name: str, message) -> None:
         if message.worker != name:
             self.events.emit("report_refused", worker_name=name, claimed=message.worker)
             return
-        self._send(message)
-
-    def _send(self, message) -> None:
-        """Kept (see RESEND_ORDER) and sent; without a coordinator only kept: nothing here waits for one."""
-        with self._send_lock:
-            self._keep(message)
-            if not self.connected.is_set():
-                return
-            try:
-                self.coordinator.send(message)
-            except ChannelClosed:
-                self.connected.clear()  # the reader thread reconnects
-
-    def _keep(self, message) -> None:
-        kind = type(message).__name__
-        if isinstance(message, Progress) and message.marker == "committed":
-            kind = "committed"
-        if kind in RESEND_ORDER:
-            self.reports.setdefault(message.worker, {})[kind] = message
-        if kind == "committed":
-            self.last_commit_at = time.monotonic()
-
-    def _resend(self) -> None:
-        """To a coordinator this agent reconnected to: everything it keeps, then `Resent`. Holding the send lock,
-        so no report of the meantime overtakes them."""
-        for kept in self.reports.values():
-            for kind in RESEND_ORDER:
-                if kind in kept:
-                    self.coordinator.send(kept[kind])
-        self.coordinator.send(Resent(host=self.host, workers=list(self.reports)))
+        self.uplink.send(message)
 
     def _to_worker(self, name: str, link: Channel, message) -> None:
         try:
@@ -360,66 +298,6 @@ class Agent:
     def _put(self, source: str | None, message) -> None:
         self.inbox.put((source, message))
         os.write(self._wake_w, b"x")
-
-    def _beat(self) -> None:
-        """The host is reachable: from a thread of its own, so a slow fork (the fork server still importing) or a
-        fence in progress never makes a live host look lost."""
-        while True:
-            self._send(HostHeartbeat(host=self.host))
-            time.sleep(self.job.heartbeat_interval_s)
-
-    def _read_coordinator(self) -> None:
-        while True:
-            try:
-                message = self.coordinator.recv()
-            except (ChannelClosed, ProtocolError):
-                self.connected.clear()
-                if not self._reconnect():
-                    return
-                continue
-            self.coordinator_heard_at = time.monotonic()
-            if not isinstance(message, CoordinatorHeartbeat):
-                self._put(None, message)
-
-    def _reconnect(self) -> bool:
-        """The coordinator's channel closed without a Shutdown: reconnect with backoff (its successor listens on
-        the same address and port) and resend; False once refused or after `coordinator_timeout_s` (the serve loop
-        is told and exits)."""
-        lost_at = time.monotonic()
-        deadline, delay = lost_at + self.job.coordinator_timeout_s, 0.05
-        self.events.emit("coordinator_channel_closed")
-        while time.monotonic() < deadline:
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            try:
-                channel = self._connect_once(deadline - time.monotonic())
-                reply = channel.recv()
-            except (OSError, ChannelClosed, ProtocolError):
-                continue
-            if isinstance(reply, Refused):
-                print(f"agent {self.host}: refused by the coordinator: {reply.reason}", file=sys.stderr, flush=True)
-                self.events.emit("agent_refused", reason=reply.reason)
-                self._put(None, reply)
-                return False
-            with self._send_lock:
-                self.coordinator = channel
-                try:
-                    self._resend()
-                except ChannelClosed:
-                    continue
-                self.coordinator_heard_at = time.monotonic()
-                self.connected.set()
-            self.events.emit("coordinator_reconnected", after_s=time.monotonic() - lost_at)
-            return True
-        print(
-            f"agent {self.host}: no coordinator for {self.job.coordinator_timeout_s:.0f} s "
-            "(ft.coordinator_timeout_s): stopping this host's workers",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.events.emit("coordinator_timeout", timeout_s=self.job.coordinator_timeout_s)
-        self._put(None, None)
-        return False
 
     def _accept_workers(self) -> None:
         while True:

@@ -46,7 +46,9 @@ def _paths(run_dir: Path) -> tuple[Path, Path]:
 def start_coordinator_server() -> multiprocessing.context.BaseContext:
     """The fork server coordinators are forked from, importing the coordinator's code now (in the background)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["ckptless_core.fork_server", "ckptless_core.coordinator"])
+    context.set_forkserver_preload(
+        ["ckptless_core.fork_server", "ckptless_core.coordinator", "ckptless_core.fault_driver"]
+    )
     multiprocessing.forkserver.ensure_running()
     return context
 
@@ -68,6 +70,7 @@ def run_coordinator(
     os.close(log)
 
     from ckptless_core.coordinator import Coordinator  # (imported already by the fork server)
+    from ckptless_core.fault_driver import FaultDriver
 
     spec_path, outcome_path = _paths(run_dir)
     spec = JobSpec.load(spec_path)
@@ -76,18 +79,16 @@ def run_coordinator(
         requests.send_bytes(f"{STRIKE_HOST}{json.dumps({'event': asdict(event), 'host': host})}".encode())
 
     coordinator = Coordinator(
-        secret=secret,
-        bind_address=control.getsockname()[0],
-        listener=control,
-        store_socket=store_listener,
-        strike_host=strike_host,
+        secret=secret, bind_address=control.getsockname()[0], listener=control, store_socket=store_listener
     )
     try:
         if journal_path(run_dir).exists():
             coordinator.resume(spec)
         else:
             coordinator.start(spec)
-        outcome = _serve(coordinator, commands)
+        # Test apparatus only where a fault is configured: the coordinator's own code has no branch for it.
+        faults = FaultDriver(coordinator, spec.faults, strike_host=strike_host) if spec.faults else None
+        outcome = _serve(coordinator, commands, faults)
     except TimeoutError as error:  # agents that did not join in time
         outcome = JobOutcome(ok=False, exit_codes=coordinator.exit_codes(), message=str(error), reason="failed")
     finally:
@@ -97,9 +98,11 @@ def run_coordinator(
     sys.stderr.flush()
 
 
-def _serve(coordinator, commands: multiprocessing.connection.Connection) -> JobOutcome:
+def _serve(coordinator, commands: multiprocessing.connection.Connection, faults) -> JobOutcome:
     stopping = False
     while (outcome := coordinator.poll()) is None:
+        if faults is not None:
+            faults.strike_due()
         received = b""
         try:
             while commands.poll():

@@ -1,5 +1,6 @@
-"""Who takes a failed worker's rank: the coordinator's policy as a pure function of the membership, the lost workers
-and the ready spares, so that every case can be read, and tested, without processes."""
+"""The coordinator's replacement policy: who takes a failed worker's rank (a ready spare, or nobody: then the job
+shrinks, waits or ends), the world sizes a job can run at, and when a shrunken job grows back. Pure functions of the
+membership, the lost workers and the ready spares, so that every case can be read, and tested, without processes."""
 
 from __future__ import annotations
 
@@ -57,3 +58,27 @@ def replace_lost(
     kept = layout.keep_slices(members, size // layout.shard)
     demoted = [name for name, _ in sorted(members.items(), key=lambda kv: kv[1]) if name not in kept]
     return Replacement(kept, promoted, vacant, shrunk_to=size, demoted=demoted)
+
+
+def largest_size(at_most: int, *, layout: Layout = FULL_REPLICAS, world_sizes: tuple[int, ...] = ()) -> int:
+    """The largest world size up to `at_most` that the job can run at (0: none): whole replica groups of `layout`,
+    and one of `world_sizes` where the global batch allows only those (empty: any)."""
+    sizes = (size for size in range(1, at_most + 1) if layout.can_run_at(size))
+    return max((size for size in sizes if not world_sizes or size in world_sizes), default=0)
+
+
+def grow(
+    members: dict[str, int], ready_spares: list[str], *, nproc: int, largest_size: Callable[[int], int]
+) -> dict[str, int] | None:
+    """A shrunken job takes ready spares back (a planned generation change): the next generation's members, at the
+    largest size the spares allow up to `nproc`, new ranks after the kept ones; None when it cannot grow."""
+    world_size = len(members)
+    if world_size >= nproc:
+        return None
+    size = largest_size(min(nproc, world_size + len(ready_spares)))
+    if size <= world_size:
+        return None
+    grown = dict(members)
+    for spare in ready_spares[: size - world_size]:
+        grown[spare] = len(grown)
+    return grown

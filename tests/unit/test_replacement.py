@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptless_core.layout import Layout
-from ckptless_core.replacement import Replacement, replace_lost
+from ckptless_core.replacement import Replacement, grow, largest_size, replace_lost
 
 FOUR = {"w0": 0, "w1": 1, "w2": 2, "w3": 3}
 
@@ -64,3 +64,17 @@ def test_a_sharded_shrink_keeps_every_survivor_on_the_slice_it_holds():
 def test_a_sharded_shrink_with_a_slice_lost_everywhere_ends_the_job():
     plan = replace_lost(FOUR, ["w1", "w3"], [], on_no_spare="shrink", largest_size=any_size, layout=Layout(shard=2))
     assert plan.abandon and plan.vacant == [1, 3]
+
+
+def test_the_largest_size_keeps_whole_replica_groups_and_sizes_the_global_batch_allows():
+    assert largest_size(7) == 7
+    assert largest_size(7, layout=Layout(2)) == 6
+    assert largest_size(7, layout=Layout(2), world_sizes=(1, 2, 4, 8)) == 4
+    assert largest_size(1, layout=Layout(2)) == 0  # not one whole group: the job cannot run
+
+
+def test_a_shrunken_job_grows_back_as_far_as_ready_spares_and_the_sizes_allow():
+    two = {"w0": 0, "w1": 1}
+    assert grow(two, ["s0"], nproc=4, largest_size=powers_of_two) is None  # 3 is not a size the batch allows
+    assert grow(two, ["s0", "s1", "s2"], nproc=4, largest_size=powers_of_two) == {"w0": 0, "w1": 1, "s0": 2, "s1": 3}
+    assert grow(FOUR, ["s0"], nproc=4, largest_size=any_size) is None  # whole already
