@@ -257,7 +257,7 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
     if "stuck" in kinds:
         signal.signal(SIGNALS["stuck"], on_stuck_signal)
         if any(event.where == "collective" for event in faults if event.kind == "stuck"):
-            replica.collective_hooks.append(block_if_requested)
+            replica.add_collective_hook(block_if_requested)
         else:
             for submodule in module.modules():
                 submodule.register_forward_pre_hook(block_if_requested)

@@ -3,9 +3,9 @@
     python -m ckptless_core.run --nproc 2 --spares 1 examples/train_mlp.py [script args ...]
 
 The script runs in every worker and hot spare (forked from a parent that imported torch once). It creates its
-`Replica` with `Replica.from_environ()`, attaches its state, and runs each step through `replica.run_step`; see
-`examples/train_mlp.py`. Outputs (logs, events) go to `--run-dir`. Exit codes: 0 completed, 3 failed,
-4 repeated failures without progress, 5 the script raised the same error again after a replay.
+`Replica` with `Replica.from_environ()`, starts it with its state (`replica.start(WorkerState(...))`), and runs each
+step through `replica.run_step`; see `examples/train_mlp.py`. Outputs (logs, events) go to `--run-dir`. Exit codes:
+0 completed, 3 failed, 4 repeated failures without progress, 5 the script raised the same error again after a replay.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 import torch
 
 from ckptless_core.grad_sync import FlatGradients  # ckptless
-from ckptless_core.replica import Replica  # ckptless
+from ckptless_core.replica import Replica, WorkerState  # ckptless
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors  # ckptless
 
@@ -32,8 +32,7 @@ grads = FlatGradients(model.parameters())  # every .grad a view into one buffer:
 
 replica = Replica.from_environ()  # ckptless: link to the node agent, heartbeat, membership
 materialize_optimizer_state(optimizer)  # ckptless: so a spare holds the same state layout
-replica.attach(state_tensors(model, optimizer))  # ckptless: what moves to a replacement
-replica.start()  # ckptless: a spare waits here until promoted
+replica.start(WorkerState(state_tensors(model, optimizer)))  # ckptless: what moves to a replacement; a spare waits here
 
 
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

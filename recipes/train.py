@@ -30,7 +30,7 @@ from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
-from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, process_resources
+from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, WorkerState, process_resources
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, local_tensor, materialize_optimizer_state, state_tensors
 from recipes.data import (
@@ -306,21 +306,23 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     sampler = build_sampler(job, prepare(job))
     if replica.env.spare and not next(state.model.parameters()).is_meta:
         warm_up(state, sampler=sampler, job=job)
-    replica.attach(state_tensors(state.model, state.optimizer))
-    if job.parallel.shard > 1:
 
-        def reshard() -> dict[str, torch.Tensor]:
-            reshard_train_state(state, job, replica=replica)
-            instrument(state.model)
-            return state_tensors(state.model, state.optimizer)
+    def reshard() -> dict[str, torch.Tensor]:
+        reshard_train_state(state, job, replica=replica)
+        instrument(state.model)
+        return state_tensors(state.model, state.optimizer)
 
-        replica.reshard = reshard
-    replica.checkpoint_dir = run_dir / "checkpoints"
-    replica.checkpoint_state = lambda: checkpoint_state(state.model, state.optimizer)
-    checkpoints, schedule = _checkpointing(job, directory=replica.checkpoint_dir, events=events)
-    replica.checkpointer = checkpoints
-    replica.restore_from = _starting_checkpoints(job, run_dir)
-    replica.start()  # a hot spare waits here, model built, until it is promoted
+    checkpoint_dir = run_dir / "checkpoints"
+    checkpoints, schedule = _checkpointing(job, directory=checkpoint_dir, events=events)
+    worker_state = WorkerState(
+        state_tensors(state.model, state.optimizer),
+        reshard=reshard if job.parallel.shard > 1 else None,
+        checkpoint_state=lambda: checkpoint_state(state.model, state.optimizer),
+        checkpointer=checkpoints,
+        checkpoint_dir=checkpoint_dir,
+        restore_from=_starting_checkpoints(job, run_dir),
+    )
+    replica.start(worker_state)  # a hot spare waits here, model built, until it is promoted
 
     def step_fn(step: int) -> dict[str, float]:
         if schedule is not None:
@@ -402,7 +404,7 @@ def _checkpointing(
 
 
 def _starting_checkpoints(job: JobConfig, run_dir: Path) -> Path | None:
-    """The checkpoints a worker's state starts from, if any (`Replica.restore_from`): under checkpoint-restart
+    """The checkpoints a worker's state starts from, if any (`WorkerState.restore_from`): under checkpoint-restart
     this run's own once it has one (after a restart), else those of the run named by `resume`."""
     own = run_dir / "checkpoints"
     if job.ft.mode == "checkpoint_restart" and checkpoint_dirs(own):

@@ -59,7 +59,7 @@ def test_the_runner_refuses_a_missing_script(tmp_path):
 BUGGY_SCRIPT = """
 import torch
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.replica import Replica
+from ckptless_core.replica import Replica, WorkerState
 from ckptless_core.transfer import materialize_optimizer_state, state_tensors
 
 torch.manual_seed(0)
@@ -68,8 +68,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
 grads = FlatGradients(model.parameters())
 replica = Replica.from_environ()
 materialize_optimizer_state(optimizer)
-replica.attach(state_tensors(model, optimizer))
-replica.start()
+replica.start(WorkerState(state_tensors(model, optimizer)))
 
 
 def train_step(step):

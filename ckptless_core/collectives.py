@@ -1,0 +1,136 @@
+"""A generation's process group, from a worker's side: formed on a store namespace of its own behind a rendezvous that
+gives up on a superseded generation, its collectives waited for in short slices, and left at once, even with a
+collective still in flight.
+
+Plain functions: the `Replica` holds the generation, the agent link and the abandoned work, and hands each what it
+reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ckptless_core.agent_link import AgentLink
+from ckptless_core.dist import WorkerEnv
+from ckptless_core.interrupts import GenerationChanged, PeerFailure
+from ckptless_core.protocol import Generation
+
+WAIT_SLICE = timedelta(milliseconds=20)
+"""How often a rank waiting in a collective looks up from it: the longest a new generation goes unnoticed there."""
+_PARKED: list = []
+"""(process group, its abandoned work) of generations left before that work ended. Module-level, so a group is
+never destroyed while its threads still wait on a lost peer: not when its Replica goes, nor when the worker exits
+(workers end with `os._exit`, as multiprocessing's children do)."""
+
+
+def connect_store(env: WorkerEnv, *, timeout_s: float) -> dist.TCPStore:
+    """The c10d store of the job's rendezvous (served by rank 0, or by torchrun's agent)."""
+    return dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        is_master=env.rank == 0 and not env.agent_store,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | None, timeout_s: float) -> None:
+    """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation
+    exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
+    prefix = f"{generation.store_prefix}/joined"
+    store.add(prefix, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(prefix, 0)) < generation.world_size:
+        if link is not None and link.generation.number != generation.number:
+            raise GenerationChanged(f"generation {generation.number} was superseded while forming")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation {generation.number} did not form within {timeout_s:.0f} s")
+        time.sleep(0.005)
+
+
+def init_process_group(
+    generation: Generation, *, worker: str, backend: str, store: dist.Store, timeout_s: float
+) -> None:
+    """The default process group of `generation`, on its own namespace of `store`."""
+    # The default group's store keys are named after a per-process counter that only a successful
+    # destroy_process_group resets: after a join whose init failed (a member lost while the group connected),
+    # this rank would wait on keys its peers never write, in every later generation.
+    dist.distributed_c10d._world.group_count = 0
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(generation.store_prefix, store),
+        rank=generation.members[worker],
+        world_size=generation.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def wait_in_slices(
+    work: dist.Work,
+    *,
+    what: str,
+    generation: int,
+    timeout_s: float,
+    superseded: Callable[[], bool],
+    still_waiting: Callable[[], None],
+    still_waiting_every_s: float,
+    abandoned: list,
+) -> None:
+    """Wait for `work` in slices of WAIT_SLICE (a slice that times out leaves the work intact, and a wait returns
+    the moment the work completes), calling `still_waiting` every `still_waiting_every_s` and checking `superseded`
+    between slices. A failure or a wait past `timeout_s` is a PeerFailure, a new generation GenerationChanged; work
+    given up on in flight goes to `abandoned`, until its group is released (see `leave_process_group`)."""
+    started = last_mark = time.monotonic()
+    while True:
+        try:
+            work.wait(timeout=WAIT_SLICE)
+            return
+        except RuntimeError:
+            pass  # the slice ran out, or the work failed (a peer's connection closed, ...): told apart here
+        if work.is_completed():  # it may have completed just after its slice ran out
+            try:
+                work.wait()  # returns at once, or raises the collective's error
+                return
+            except RuntimeError as error:
+                message = f"{what} failed in generation {generation}: {error}"
+                break
+        now = time.monotonic()
+        if superseded():
+            abandoned.append(work)  # kept until the abandoned group is released (see leave_process_group)
+            raise GenerationChanged(f"generation {generation} ended during the {what}")
+        if now - started > timeout_s:
+            abandoned.append(work)
+            message = f"{what} timed out after {timeout_s:.0f} s in generation {generation}"
+            break
+        if now - last_mark > still_waiting_every_s:
+            still_waiting()
+            last_mark = now
+    # No reference to the work may outlive this frame (the raised error keeps the frame alive): it would keep the
+    # old group, and its connections to peers still blocked on this rank, open.
+    del work
+    raise PeerFailure(message)
+
+
+def leave_process_group(abandoned: list) -> bool:
+    """Leave the generation's process group at once, even with a collective still in flight: the group is
+    aborted (on torch 2.13 gloo that returns at once) and parked with its `abandoned` work, so destroying it does not
+    wait for threads still blocked on a lost peer; it is released once that work has ended (the peer's socket
+    closed or the collective timed out). Returns whether there was a group to leave (`abandoned` is parked with
+    it)."""
+    left = dist.is_initialized()
+    if left:
+        # The default group and every group made from it (a device mesh's): all of this generation's.
+        groups = list(dist.distributed_c10d._world.pg_map)
+        for group in groups:
+            with contextlib.suppress(Exception):
+                group.abort()
+        _PARKED.append((groups, abandoned))
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    _PARKED[:] = [(g, works) for g, works in _PARKED if not all(w.is_completed() for w in works)]
+    return left
