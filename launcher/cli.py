@@ -7,8 +7,8 @@ import sys
 from launcher import PROCESS_STARTED_AT
 from launcher.compose import available_options, compose_job, recipe_launch_line
 from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
-from launcher.local import run_local, warm_up_workers
 from launcher.plan import build_plan, check_fits, format_plan
+from launcher.run import run_job, warm_up_workers, worker_lines
 from launcher.rundir import check_run_dir, create_run_dir, resolve_run_dir
 from recipes.schema import save_config
 from recipes.train import prepare
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster = warm_up_workers(job)
         run_dir = resolve_run_dir(job, recipe=composed.recipe)
         plan = build_plan(job)
+        workers = worker_lines(job, run_dir=run_dir)
         if job.dry_run:
-            print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir))
+            print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir, workers=workers))
             print("dry run: nothing was started or written")
             return EXIT_OK
         check_fits(job, plan)
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(error)
     create_run_dir(run_dir)
     save_config(job, run_dir / "config.yaml")
-    print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir), flush=True)
-    return run_local(job, run_dir=run_dir, recipe=composed.recipe, started_at=PROCESS_STARTED_AT, cluster=cluster)
+    print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir, workers=workers), flush=True)
+    return run_job(job, run_dir=run_dir, recipe=composed.recipe, started_at=PROCESS_STARTED_AT, warm=cluster)
 
 
 def help_text() -> str:

@@ -16,8 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
-from ckptless_core.netns import NetnsUnavailable
-from ckptless_core.netns import check_available as check_netns_available
+from launcher.clusters import cluster_kind
 from launcher.errors import ConfigError
 from recipes.data.sources import check_data_config
 from recipes.schema import ClusterConfig, JobConfig, OptimConfig
@@ -25,7 +24,6 @@ from recipes.schema import ClusterConfig, JobConfig, OptimConfig
 CONFIG_MODULE = "configs"
 VALID_PRECISIONS = ("fp32", "bf16")
 VALID_BACKENDS = ("auto", "gloo", "nccl")
-CLUSTER_KINDS = ("local", "netns", "hosts")
 FAULT_KINDS_WITHOUT_RANK = ("chaos", "kill_sender", "kill_spare", "kill_coordinator")
 """Fault kinds whose target is not a rank `fault.rank` names: chosen while the job runs (a random rank, the state
 sender, a spare) or not a worker (the coordinator); every other kind strikes the rank it names."""
@@ -54,6 +52,8 @@ def compose_job(overrides: list[str]) -> ComposedJob:
         job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.to_container(cfg)))
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
+    # The kind's own limits first: they name a better fix than the size rules below (one host on cluster=local).
+    cluster_kind(job.cluster.kind).check(job)
     resolve_cluster_sizes(job.cluster)
     validate(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
@@ -62,16 +62,9 @@ def compose_job(overrides: list[str]) -> ComposedJob:
 def resolve_cluster_sizes(cluster: ClusterConfig) -> None:
     """One set of names for every cluster kind: `nproc` = `num_hosts` x `nproc_per_host`; either side may be given
     (null `nproc`, or `nproc_per_host` 0, is derived from the other)."""
-    if cluster.kind not in CLUSTER_KINDS:
-        raise ConfigError(f"cluster.kind={cluster.kind!r}: choose one of {list(CLUSTER_KINDS)} (cluster=<kind>)")
     if cluster.num_hosts < 1 or cluster.nproc_per_host < 0 or cluster.spare_hosts < 0:
         raise ConfigError(
             "cluster.num_hosts must be at least 1, cluster.nproc_per_host and cluster.spare_hosts 0 or more"
-        )
-    if cluster.kind == "local" and (cluster.num_hosts != 1 or cluster.spare_hosts):
-        raise ConfigError(
-            "cluster=local is one host: for several, use cluster=netns (emulated hosts on this machine) or "
-            "cluster=hosts (agents on real hosts)"
         )
     if cluster.nproc is None:
         cluster.nproc = cluster.num_hosts * max(cluster.nproc_per_host, 1)
@@ -92,11 +85,6 @@ def resolve_cluster_sizes(cluster: ClusterConfig) -> None:
 def validate(job: JobConfig) -> None:
     """Checks across fields that types alone cannot express; each message names the field and a fix."""
     trainer, cluster = job.trainer, job.cluster
-    if cluster.kind == "netns":
-        try:
-            check_netns_available()
-        except NetnsUnavailable as error:
-            raise ConfigError(str(error)) from None
     for name, value in (
         ("trainer.max_steps", trainer.max_steps),
         ("trainer.global_batch_size", trainer.global_batch_size),
@@ -277,11 +265,6 @@ def _validate_checkpoint_restart(job: JobConfig) -> None:
         )
     if job.ft.checkpoint_every == 0:
         raise ConfigError("ft=checkpoint_restart recovers from disk checkpoints: set ft.checkpoint_every to auto or N")
-    if job.cluster.kind == "hosts":
-        raise ConfigError(
-            "ft=checkpoint_restart runs torchrun on cluster=local or cluster=netns; on cluster=hosts start torchrun "
-            "on each host yourself, or use ft=ckptless"
-        )
     if job.cluster.spare_hosts:
         raise ConfigError(
             f"cluster.spare_hosts={job.cluster.spare_hosts}: under ft=checkpoint_restart a lost host is replaced by a "

@@ -1,16 +1,14 @@
-"""The job plan: model size on the meta device, memory per rank, tokens per step, worker commands, fit check."""
+"""The job plan: model size on the meta device, memory per rank, tokens per step, fit check, and the plan as printed."""
 
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from launcher.errors import ConfigError
-from launcher.torchrun import torchrun_command
 from recipes.lora import base_model
 from recipes.model import build_model
 from recipes.schema import JobConfig
@@ -135,30 +133,6 @@ def _activation_bytes(job: JobConfig, config) -> int:
     return layers + logits
 
 
-def worker_commands(job: JobConfig, *, run_dir: Path, master_port: int | str = "$MASTER_PORT") -> list[str]:
-    """What each worker runs, as shell commands: the node agent forks the same entry with the same environment
-    from a pre-imported parent. The store port is chosen at start; by hand, export MASTER_PORT first."""
-    n = job.cluster.nproc
-    quoted_dir = shlex.quote(str(run_dir))
-    config = shlex.quote(str(run_dir / "config.yaml"))
-    if job.ft.mode == "checkpoint_restart":  # torchrun starts the workers (and restarts them all on a failure)
-        env = f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)}"
-        if job.cluster.kind == "local":
-            return [f"{env} {shlex.join(['python', *torchrun_command(job, run_dir=run_dir)[1:]])}"]
-        commands = [
-            torchrun_command(job, run_dir=run_dir, host=(f"host{i}", f"$HOST{i}_ADDR"), rendezvous="$RDZV_ENDPOINT")
-            for i in range(job.cluster.num_hosts)
-        ]
-        # On each host, its address exported; a host that replaces a lost one runs the lost one's command.
-        quoted = [" ".join(a if "$" in a else shlex.quote(a) for a in ["python", *c[1:]]) for c in commands]
-        return [f"{env} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {command}" for command in quoted]
-    return [
-        f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={master_port} "
-        f"CKPTLESS_RUN_DIR={quoted_dir} OMP_NUM_THREADS={threads_per_worker(job)} python -m recipes.train {config}"
-        for r in range(n)
-    ]
-
-
 def threads_per_worker(job: JobConfig) -> int:
     if job.cluster.threads_per_worker:
         return job.cluster.threads_per_worker
@@ -194,7 +168,9 @@ def check_fits(job: JobConfig, plan: Plan) -> None:
         )
 
 
-def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> str:
+def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path, workers: list[str]) -> str:
+    """The plan as the launcher prints it; `workers`: where the workers run and what each runs, as the cluster kind
+    places them (`launcher.run.worker_lines`)."""
     rows = [
         ("recipe", f"{recipe} ({plan.architecture})"),
         ("parameters", f"{plan.total_params:,} total; {plan.active_params:,} active per token"),
@@ -219,7 +195,7 @@ def format_plan(job: JobConfig, plan: Plan, *, recipe: str, run_dir: Path) -> st
     ]
     lines = [f"{key:>12}  {value}" for key, value in rows]
     lines.append("     workers")
-    lines += [f"    {command}" for command in worker_commands(job, run_dir=run_dir)]
+    lines += [f"    {line}" for line in workers]
     return "\n".join(lines)
 
 

@@ -5,11 +5,8 @@ whole group again, and every worker reloads the latest disk checkpoint and redoe
 watches: it follows the workers' event files (pids, attempts, committed steps) to show progress and to inject the
 configured faults, exactly as the ckptless coordinator does, so both modes face the same failures.
 
-On emulated hosts (`cluster=netns`) it is torchrun as it runs on a real cluster: one torchrun per host, meeting in
-a c10d rendezvous whose store the launcher holds on the hosts' bridge. A lost host is replaced by a fresh one, as a
-scheduler replaces a failed node. The survivors learn of the loss when the replacement's torchrun waits in the
-rendezvous once the lost one's keep-alive expired (KEEP_ALIVE_S), or when their collective times out
-(`cluster.collective_timeout_s`), whichever comes first; then every host restarts its workers.
+`TorchrunJob` runs one torchrun on this machine (`cluster=local`); a cluster kind with hosts places one torchrun
+per host (`launcher.clusters.netns.EmulatedTorchrun`), meeting in a c10d rendezvous (`torchrun_command(host=...)`).
 """
 
 from __future__ import annotations
@@ -21,15 +18,12 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
 
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultInjector, signal_name
 from ckptless_core.job import JobOutcome, describe_exit
-from ckptless_core.netns import EmulatedHost, EmulatedHosts
+from ckptless_core.netns import EmulatedHost
 from launcher.summary import AttemptNumbers
 from recipes.schema import JobConfig
 
@@ -138,7 +132,8 @@ class WorkerWatch:
 
 class TorchrunJob:
     """Runs the job under torchrun; the same `start` / `poll` / `request_stop` / `close` as the ckptless coordinator.
-    On `cluster=local` one torchrun; on `cluster=netns` one per emulated host."""
+    This class starts one torchrun on this machine; a kind with hosts overrides `start`, `exit_codes`, `close` and
+    the two hooks that let `fault=kill_host` find and power off a worker's host (`_host_of`, `_power_off`)."""
 
     def __init__(self, job: JobConfig, *, run_dir: Path, threads_per_worker: int) -> None:
         self.job = job
@@ -150,8 +145,6 @@ class TorchrunJob:
         self.injector = FaultInjector(job.fault.events(), per_host=per_host)
         self.torchruns: dict[str, subprocess.Popen] = {}
         """The torchrun of each host (`local` on one host) that was not powered off."""
-        self.emulated: EmulatedHosts | None = None
-        self.rendezvous: dist.TCPStore | None = None
         self.stop_requested = False
         self.env = {
             **os.environ,
@@ -161,43 +154,13 @@ class TorchrunJob:
         }
 
     def start(self) -> None:
-        if self.job.cluster.kind != "netns":
-            command = torchrun_command(self.job, run_dir=self.run_dir)
-            with (self.run_dir / "logs" / "torchrun.log").open("ab") as log:
-                # A session of its own: a Ctrl-C in the terminal reaches the launcher, which decides what it gets.
-                process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-                )
-            self._started("local", process, command)
-            return
-        self.emulated = EmulatedHosts(self.job.cluster.num_hosts)
-        self.rendezvous = dist.TCPStore(
-            self.emulated.gateway,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.job.cluster.start_timeout_s),
-        )
-        self.events.emit("rendezvous_started", address=self.emulated.gateway, port=self.rendezvous.port)
-        for host in self.emulated.hosts:
-            self._start_host(host)
-
-    def _start_host(self, host: EmulatedHost) -> None:
-        rendezvous = f"{self.emulated.gateway}:{self.rendezvous.port}"
-        command = torchrun_command(
-            self.job, run_dir=self.run_dir, host=(host.name, host.address), rendezvous=rendezvous
-        )
-        with (self.run_dir / "logs" / f"torchrun-{host.name}.log").open("ab") as log:
-            env = self.env | {
-                "GLOO_SOCKET_IFNAME": "eth0",
-                "NCCL_SOCKET_IFNAME": "eth0",
-                # torch's opt-out of sharing the rendezvous store with the workers: with it shared, a host keeps the
-                # workers' store address of its first round, so a host that joins a later round (a replacement)
-                # waits forever for one that is never published.
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            }
-            self.emulated.start(host, command, env=env, pid_namespace=False, output=log)
-        self._started(host.name, host.process, command)
+        command = torchrun_command(self.job, run_dir=self.run_dir)
+        with (self.run_dir / "logs" / "torchrun.log").open("ab") as log:
+            # A session of its own: a Ctrl-C in the terminal reaches the launcher, which decides what it gets.
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        self._started("local", process, command)
 
     def _started(self, name: str, process: subprocess.Popen, command: list[str]) -> None:
         self.torchruns[name] = process
@@ -240,9 +203,7 @@ class TorchrunJob:
         time.sleep(timeout_s)
 
     def exit_codes(self) -> dict[str, int | None]:
-        if self.emulated is None:
-            return {"torchrun": self.torchruns["local"].returncode if self.torchruns else None}
-        return {f"torchrun@{name}": process.returncode for name, process in self.torchruns.items()}
+        return {"torchrun": self.torchruns["local"].returncode if self.torchruns else None}
 
     def request_stop(self) -> None:
         """Preemption: torchrun passes SIGTERM on to the workers, which stop where they are (this baseline has no
@@ -254,8 +215,8 @@ class TorchrunJob:
         self.events.emit("stop_requested")
 
     def close(self, *, timeout_s: float = 10.0) -> None:
-        """Stop every torchrun (SIGTERM, then SIGKILL after `timeout_s`), make sure none of their workers outlive
-        them, and remove the emulated hosts."""
+        """Stop every torchrun (SIGTERM, then SIGKILL after `timeout_s`) and make sure none of their workers
+        outlive them."""
         try:
             for process in self.torchruns.values():
                 if process.poll() is None:
@@ -268,8 +229,6 @@ class TorchrunJob:
                     process.wait(timeout=timeout_s)
             self._kill_leftover_workers()
         finally:
-            if self.emulated is not None:
-                self.emulated.remove()
             self.events.close()
 
     def _inject_faults(self) -> None:
@@ -287,7 +246,7 @@ class TorchrunJob:
         )
         for strike in strikes:
             worker = live[strike.worker]
-            host = self.emulated.host_of(worker["pid"]) if self.emulated is not None else None
+            host = self._host_of(worker["pid"])
             if strike.event.kind == "kill_host":
                 if host is None:
                     continue  # the worker is gone already (its host with it): nothing left to power off
@@ -305,12 +264,13 @@ class TorchrunJob:
                 attempt=worker["attempt"],
             )
 
+    def _host_of(self, pid: int) -> EmulatedHost | None:
+        """The host whose power `fault=kill_host` can cut, that worker `pid` runs on: none on this machine alone
+        (compose refuses host faults here)."""
+        return None
+
     def _power_off(self, host: EmulatedHost) -> None:
-        """`fault=kill_host`: the host is gone with its torchrun and workers; a fresh host takes its place at once
-        and joins the next rendezvous round, as a cluster's scheduler replaces a failed node."""
-        self.emulated.kill(host)
-        del self.torchruns[host.name]
-        self._start_host(self.emulated.add())
+        raise AssertionError("no host to power off on one machine: `_host_of` found none")
 
     def _kill_leftover_workers(self) -> None:
         """torchrun starts workers in sessions of their own; any it left behind are killed here. A pid is only

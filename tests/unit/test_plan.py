@@ -8,7 +8,8 @@ import torch
 from ckptless_core.dist import WorkerEnv
 from launcher.compose import compose_job
 from launcher.errors import ConfigError
-from launcher.plan import GIB, build_plan, check_fits, worker_commands
+from launcher.plan import GIB, build_plan, check_fits
+from launcher.run import worker_lines
 
 
 def plan_for(*overrides: str):
@@ -117,7 +118,7 @@ def test_worker_commands_one_torchrun_compatible_command_per_rank(nproc, tmp_pat
     job = compose_job(["recipe=tiny_llama", f"cluster.nproc={nproc}", "trainer.micro_batch_size=4"]).job
     run_dir = tmp_path / "run"
 
-    commands = worker_commands(job, run_dir=run_dir, master_port=29_512)
+    commands = [line.replace("$MASTER_PORT", "29512") for line in worker_lines(job, run_dir=run_dir)]
 
     assert len(commands) == nproc
     ranks = []
@@ -138,7 +139,7 @@ def test_worker_commands_one_torchrun_compatible_command_per_rank(nproc, tmp_pat
 
 def test_worker_commands_use_the_configured_threads_per_worker(tmp_path):
     job = compose_job(["recipe=tiny_llama", "cluster.threads_per_worker=3"]).job
-    for command in worker_commands(job, run_dir=tmp_path, master_port=29_512):
+    for command in worker_lines(job, run_dir=tmp_path):
         env, _ = parse_command(command)
         assert env["OMP_NUM_THREADS"] == "3"
 

@@ -1,19 +1,24 @@
-"""The local cluster backend: hands the job to a `ckptless_core` coordinator with one node agent on this machine
-(or, for the checkpoint-restart baseline, to torchrun), and reports."""
+"""Running a job, on every cluster kind: the kind (`launcher.clusters`) places it, this module follows it with progress
+on the console, stops it cleanly on Ctrl-C or SIGTERM, and writes the summary and the report; the exit code says how
+it ended.
+
+The one place that picks the ckptless coordinator or, for `ft=checkpoint_restart`, torchrun is here
+(`uses_torchrun`): the warm-up, the start and the dry run's worker lines ask the kind for one or the other.
+"""
 
 from __future__ import annotations
 
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-from ckptless_core.agent import config_sha256
+from ckptless_core.coordinator_link import config_sha256
 from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.events import read_events
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
-from ckptless_core.local_cluster import LocalCluster, NetnsCluster
-from ckptless_core.protocol import new_secret, write_secret_file
+from launcher.clusters import Runner, cluster_kind
 from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_TRAINING_CODE_ERROR
 from launcher.goodput import report_from_events
 from launcher.plan import threads_per_worker
@@ -25,53 +30,39 @@ from recipes.schema import JobConfig
 from recipes.train import worker_preload
 
 ENTRY = "recipes.train:main"
-SECRET_FILE = "control.secret"
-"""In the run directory, mode 0600: the job's secret, for agents started on other hosts (`cluster=hosts`)."""
+
+
+def uses_torchrun(job: JobConfig) -> bool:
+    """The checkpoint-restart baseline runs under torchrun; every other mode under the ckptless coordinator."""
+    return job.ft.mode == "checkpoint_restart"
 
 
 def warm_up_workers(job: JobConfig) -> CoordinatorProcess | None:
-    """Start the coordinator and the node agent now: the agent's fork server imports (torch, transformers, the
-    model's code) overlap the launcher's own checks, and every worker forked from it later starts without paying for
-    them. (torchrun, for the checkpoint-restart baseline, starts fresh interpreters instead: that cost is part of
-    what it is measured on.)"""
-    if job.ft.mode == "checkpoint_restart" or job.cluster.kind == "hosts":
-        return None  # agents on real hosts join once the run directory (and its secret file) exists
-    if job.cluster.kind == "netns":
-        return NetnsCluster(
-            num_hosts=job.cluster.num_hosts + job.cluster.spare_hosts,
-            preload=worker_preload(job),
-            start_timeout_s=job.cluster.start_timeout_s,
-        )
-    return LocalCluster(preload=worker_preload(job), start_timeout_s=job.cluster.start_timeout_s)
+    """What the kind starts while the launcher checks its input (`ClusterKind.warm_up`). Nothing for torchrun: it
+    starts fresh interpreters, and that cost is part of what the baseline is measured on."""
+    return None if uses_torchrun(job) else cluster_kind(job.cluster.kind).warm_up(job)
 
 
-def run_local(
-    job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, cluster: CoordinatorProcess | None
-) -> int:
-    """Run the job on this machine: under the ckptless coordinator, or under torchrun for `ft=checkpoint_restart`."""
+def worker_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
+    """What the plan prints under `workers`: where they run and what each runs, as the kind places them."""
+    kind = cluster_kind(job.cluster.kind)
+    if uses_torchrun(job):
+        return kind.torchrun_lines(job, run_dir=run_dir)
+    return kind.worker_lines(job, run_dir=run_dir)
+
+
+def run_job(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, warm: CoordinatorProcess | None) -> int:
+    """Run the job to its end on its cluster kind (`warm`: what `warm_up_workers` started) and report; the exit
+    code."""
+    kind = cluster_kind(job.cluster.kind)
     threads = threads_per_worker(job)
-    if job.ft.mode == "checkpoint_restart":
-        runner = TorchrunJob(job, run_dir=run_dir, threads_per_worker=threads)
+    runner: TorchrunJob | CoordinatorProcess
+    if uses_torchrun(job):
+        runner = kind.torchrun(job, run_dir=run_dir, threads_per_worker=threads)
         start = runner.start
     else:
-        runner = cluster or hosts_coordinator(job, run_dir=run_dir)
-        spec = JobSpec(
-            entry=ENTRY,
-            nproc=job.cluster.nproc,
-            run_dir=run_dir,
-            preload=worker_preload(job),
-            threads_per_worker=threads,
-            store_timeout_s=job.cluster.start_timeout_s,
-            ft=fault_tolerance_spec(job),
-            faults=job.fault.events(),
-            num_hosts=job.cluster.num_hosts,
-            spare_hosts=job.cluster.spare_hosts,
-            config_sha256=config_sha256(run_dir),
-        )
-
-        def start() -> None:
-            runner.start(spec)
-
+        runner = kind.coordinator(job, run_dir=run_dir, warm=warm)
+        start = partial(runner.start, job_spec(job, run_dir=run_dir, threads=threads))
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
@@ -125,24 +116,21 @@ def run_local(
     return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
 
 
-def hosts_coordinator(job: JobConfig, *, run_dir: Path) -> CoordinatorProcess:
-    """`cluster=hosts`: the coordinator binds `cluster.coordinator_address`; the job's secret goes to a file only its
-    owner reads, before any agent starts; the command each host runs is printed."""
-    secret = new_secret()
-    secret_file = run_dir / SECRET_FILE
-    write_secret_file(secret_file, secret)
-    coordinator = CoordinatorProcess(
-        secret=secret, bind_address=job.cluster.coordinator_address, port=job.cluster.coordinator_port
+def job_spec(job: JobConfig, *, run_dir: Path, threads: int) -> JobSpec:
+    """What the coordinator is handed: the entry, the sizes, `ft.*` and the faults to inject."""
+    return JobSpec(
+        entry=ENTRY,
+        nproc=job.cluster.nproc,
+        run_dir=run_dir,
+        preload=worker_preload(job),
+        threads_per_worker=threads,
+        store_timeout_s=job.cluster.start_timeout_s,
+        ft=fault_tolerance_spec(job),
+        faults=job.fault.events(),
+        num_hosts=job.cluster.num_hosts,
+        spare_hosts=job.cluster.spare_hosts,
+        config_sha256=config_sha256(run_dir),
     )
-    address, port = coordinator.address
-    total = job.cluster.num_hosts + job.cluster.spare_hosts
-    print(
-        f"waiting up to {job.cluster.start_timeout_s:.0f} s for {total} node agent(s); on each host run:\n"
-        f"  python -m ckptless_core.agent --coordinator {address}:{port} --secret-file {secret_file} "
-        f"--run-dir {run_dir} --host <name> [--ifname <interface>] --preload {' '.join(worker_preload(job))}",
-        flush=True,
-    )
-    return coordinator
 
 
 def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
@@ -168,16 +156,14 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
     )
 
 
-def _watch(
-    runner: CoordinatorProcess | TorchrunJob, progress: ConsoleProgress, *, deadline: float = float("inf")
-) -> JobOutcome | None:
+def _watch(runner: Runner, progress: ConsoleProgress, *, deadline: float = float("inf")) -> JobOutcome | None:
     while (outcome := runner.poll()) is None and time.monotonic() < deadline:
         progress.update()
         runner.wait_for_change(0.05)
     return outcome
 
 
-def _stop_cleanly(runner: CoordinatorProcess | TorchrunJob, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
+def _stop_cleanly(runner: Runner, progress: ConsoleProgress, *, grace_s: float) -> JobOutcome:
     """Preemption (SIGTERM) or Ctrl-C: workers stop at their next step boundary, writing a final checkpoint when
     checkpoints are on. A second Ctrl-C, or the grace period running out, stops them at once."""
     print("stopping: workers finish their current step (Ctrl-C again to stop at once)", flush=True)
