@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptless_core.channel import Channel, accept_channel, read_secret
 from ckptless_core.coordinator_link import CoordinatorLink
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
     WORKER_REPORTS,
-    Channel,
     ChannelClosed,
     FenceWorker,
     Generation,
@@ -52,8 +52,6 @@ from ckptless_core.protocol import (
     Welcome,
     WorkerExited,
     WorkerStarted,
-    accept_channel,
-    read_secret,
 )
 from ckptless_core.worker_process import exit_with, run_worker
 

@@ -10,17 +10,8 @@ from __future__ import annotations
 import os
 import threading
 
-from ckptless_core.protocol import (
-    PROTOCOL_VERSION,
-    ChannelClosed,
-    Generation,
-    Heartbeat,
-    Hello,
-    ProtocolError,
-    StopAt,
-    connect_channel,
-    read_secret,
-)
+from ckptless_core.channel import connect_channel, read_secret
+from ckptless_core.protocol import PROTOCOL_VERSION, ChannelClosed, Generation, Heartbeat, Hello, ProtocolError, StopAt
 
 
 class AgentLink:

@@ -18,7 +18,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckptless_core.protocol import Channel, ChannelClosed, Hello, ProtocolError, accept_channel
+from ckptless_core.channel import Channel, accept_channel
+from ckptless_core.protocol import ChannelClosed, Hello, ProtocolError
 
 
 @dataclass(frozen=True)

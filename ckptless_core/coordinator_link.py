@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptless_core.channel import Channel, connect_channel
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
     PROTOCOL_VERSION,
-    Channel,
     ChannelClosed,
     CoordinatorHeartbeat,
     Hello,
@@ -27,7 +27,6 @@ from ckptless_core.protocol import (
     ProtocolError,
     Refused,
     Resent,
-    connect_channel,
 )
 
 RESEND_ORDER = ("WorkerStarted", "Ready", "committed", "Progress", "FailureReport", "SourceAnnounced", "WorkerExited")

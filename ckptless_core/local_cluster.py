@@ -13,8 +13,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from ckptless_core.channel import new_secret
 from ckptless_core.coordinator_process import CoordinatorProcess
-from ckptless_core.protocol import new_secret
 
 
 def agent_command(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptless_core.channel import new_secret, write_secret_file
 from ckptless_core.coordinator_process import CoordinatorProcess
-from ckptless_core.protocol import new_secret, write_secret_file
 from launcher.clusters.workers import rank_commands
 from launcher.errors import ConfigError
 from launcher.torchrun import TorchrunJob

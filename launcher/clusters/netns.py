@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ckptless_core.channel import new_secret
 from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.faults import FaultEvent
 from ckptless_core.job import JobOutcome
 from ckptless_core.local_cluster import agent_command
 from ckptless_core.netns import EmulatedHost, EmulatedHosts, NetnsUnavailable
 from ckptless_core.netns import check_available as check_netns_available
-from ckptless_core.protocol import new_secret
 from launcher.clusters.workers import rank_commands, torchrun_line
 from launcher.errors import ConfigError
 from launcher.torchrun import TorchrunJob, torchrun_command

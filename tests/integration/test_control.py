@@ -13,8 +13,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ckptless_core.channel import connect_channel, new_secret
 from ckptless_core.events import read_events
-from ckptless_core.protocol import FailureReport, ProtocolError, StopAt, connect_channel, encode, new_secret
+from ckptless_core.protocol import FailureReport, ProtocolError, StopAt, encode
 from tests.conftest import OFFLINE, read_summary
 
 STEPS = 40

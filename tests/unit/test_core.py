@@ -17,6 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ckptless_core import transfer
+from ckptless_core.channel import accept_channel, new_secret
 from ckptless_core.checkpoint import Checkpointer, NoUsableCheckpoint, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
 from ckptless_core.checksum import state_checksum
@@ -24,7 +25,7 @@ from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
 from ckptless_core.faults import FaultEvent, FaultInjector
 from ckptless_core.grad_sync import FlatGradients
-from ckptless_core.protocol import Generation, accept_channel, new_secret
+from ckptless_core.protocol import Generation
 from ckptless_core.replica import GenerationChanged, Replica
 from ckptless_core.state_hash import param_sha256
 

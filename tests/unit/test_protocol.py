@@ -8,18 +8,16 @@ import threading
 
 import pytest
 
+from ckptless_core.channel import accept_channel, connect_channel, new_secret
 from ckptless_core.protocol import (
     FailureReport,
     Generation,
     Position,
     Progress,
     ProtocolError,
-    accept_channel,
     blame_stalled,
-    connect_channel,
     decode,
     encode,
-    new_secret,
 )
 
 # --- messages ---------------------------------------------------------------------------------------------------------
