@@ -52,7 +52,7 @@ def recover(replica: Replica, error: Exception) -> None:
         kind = "exception" if cause == "local_error" else "collective"
         report_failure(replica, replica.generation.number, kind, error)
     # Leaving the old group at once releases peers still blocked in a collective with this rank.
-    replica._leave_process_group()
+    replica.leave_generation()
     generation = wait_for_membership(
         replica, newer_than=replica.generation.number, timeout_s=replica.recovery_timeout_s
     )
@@ -71,7 +71,7 @@ def join_until_done(replica: Replica, generation: Generation, *, detected_at: fl
             replica.events.emit("join_failed", generation=generation.number, error=str(error)[:500])
             if not isinstance(error, GenerationChanged):
                 report_failure(replica, generation.number, "collective", error)
-            replica._leave_process_group()
+            replica.leave_generation()
             generation = wait_for_membership(
                 replica, newer_than=generation.number, timeout_s=replica.recovery_timeout_s
             )
@@ -82,9 +82,9 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
     synchronized over it); then the replay of the interrupted step begins."""
     seen_at = time.time()
     state = replica.state
-    replica._leave_process_group()
+    replica.leave_generation()
     if replica.env.supervised:
-        replica.store = replica._connect_store()
+        replica.store = replica.open_store()
     # A member may still be held by the previous generation's process group, whose connect to a peer lost while
     # it formed cannot be cut short (up to the collective timeout): waiting less would fail a healthy spare.
     rendezvous(
@@ -117,7 +117,7 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
 
     def announce(source: int) -> None:
         if generation.number > 1 and replica.rank == source:
-            replica._send(SourceAnnounced(worker=replica.env.worker, generation=generation.number))
+            replica.send(SourceAnnounced(worker=replica.env.worker, generation=generation.number))
 
     try:
         result = synchronize_state(
@@ -264,7 +264,7 @@ def wait_for_membership(replica: Replica, *, newer_than: int, timeout_s: float |
         if replica.generation.number > 0 and replica.valid:
             # Left out of a shrunken job: wait as a spare; its state will be stale when it is taken back.
             replica.valid = False
-            replica._leave_process_group()
+            replica.leave_generation()
             replica.events.emit("demoted_to_spare", generation=generation.number)
         newer_than, timeout_s = generation.number, None
 
@@ -273,11 +273,11 @@ def replay_once(replica: Replica, error: Exception) -> None:
     """An error raised by the training code itself is replayed once (a transient fault goes away); the same
     error on the same step again is a bug: reported with its traceback, and raised as TrainingCodeError."""
     signature = (replica.step, type(error).__name__, str(error))
-    if signature != replica._last_local_error:
-        replica._last_local_error = signature
+    if signature != replica.last_local_error:
+        replica.last_local_error = signature
         return
     text = "".join(traceback.format_exception(error))
-    replica._send(
+    replica.send(
         FailureReport(
             worker=replica.env.worker,
             generation=replica.generation.number,
@@ -292,7 +292,7 @@ def replay_once(replica: Replica, error: Exception) -> None:
 
 
 def report_failure(replica: Replica, generation: int, kind: str, error: Exception) -> None:
-    replica._send(
+    replica.send(
         FailureReport(
             worker=replica.env.worker, generation=generation, step=replica.step, kind=kind, error=str(error)[:500]
         )

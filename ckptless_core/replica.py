@@ -110,7 +110,7 @@ class Replica:
         self.layout = layout
         self.backend = resolve_backend(backend)
         if self.backend == "nccl" and fault_tolerant:
-            # A failed generation's communicators are aborted by this rank (`_leave_process_group`); NCCL's watchdog
+            # A failed generation's communicators are aborted by this rank (`leave_generation`); NCCL's watchdog
             # must then only abort too, never tear the process down (its default, 3): survivors outlive a failure.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.collective_timeout_s = collective_timeout_s
@@ -120,7 +120,7 @@ class Replica:
         self.events = events
         # The c10d store serves only the process groups' rendezvous; control goes through the agent link. Under the
         # coordinator, each join connects afresh: the store may have died and come back with a restarted coordinator.
-        self.store = None if env.supervised else self._connect_store()
+        self.store = None if env.supervised else self.open_store()
         if fault_tolerant and not env.supervised:
             raise ValueError(
                 "fault tolerance needs the ckptless coordinator (python -m launcher, or ckptless_core.run)"
@@ -150,7 +150,7 @@ class Replica:
         """Collective work of this generation abandoned in flight."""
         self._collective_hooks: list[Callable[[], None]] = []
         """Called as the main thread enters each collective (`add_collective_hook`)."""
-        self._last_local_error: tuple | None = None
+        self.last_local_error: tuple | None = None
         """(step, error type, message) of the latest error raised by the training code itself."""
 
     @classmethod
@@ -201,7 +201,7 @@ class Replica:
         """Take the `state` this worker trains and announce readiness; spares wait here (heartbeating) until a
         generation names them; then join it."""
         self.state, self.tensors = state, state.tensors
-        self._send(Ready(worker=self.env.worker))
+        self.send(Ready(worker=self.env.worker))
         self.events.emit("worker_ready")
         if self.env.supervised:
             generation = wait_for_membership(self, newer_than=0, timeout_s=None)
@@ -308,7 +308,7 @@ class Replica:
         failure, leave at once: peers blocked in a collective with this rank are released (a barrier would only
         wait for them until the collective timeout)."""
         if failed:
-            self._leave_process_group()
+            self.leave_generation()
         elif dist.is_initialized():
             with contextlib.suppress(RuntimeError):
                 dist.barrier(async_op=True).wait(timeout=timedelta(seconds=self.collective_timeout_s))
@@ -323,18 +323,20 @@ class Replica:
 
     def _mark(self, marker: str) -> None:
         if self.link is not None:
-            self._send(
+            self.send(
                 Progress(worker=self.env.worker, generation=self.generation.number, step=self.step, marker=marker)
             )
 
-    def _send(self, message) -> None:
+    def send(self, message) -> None:
+        """A report to the coordinator, through the agent (nothing without one: under torchrun)."""
         if self.link is not None:
             self.link.send(message)
 
-    def _connect_store(self) -> dist.TCPStore:
+    def open_store(self) -> dist.TCPStore:
+        """The c10d store of the process groups' rendezvous (under the coordinator, connected afresh each join)."""
         return connect_store(self.env, timeout_s=max(self.collective_timeout_s, self.recovery_timeout_s))
 
-    def _leave_process_group(self) -> None:
+    def leave_generation(self) -> None:
         """Leave this generation's process group at once, parking the work abandoned in it (`collectives`)."""
         if leave_process_group(self._pending):
             self._pending = []
