@@ -58,6 +58,16 @@ class EmulatedHost:
     """`unshare`, whose only child is the host's agent (PID 1 of the host's PID namespace)."""
 
 
+def gateway_address(subnet: str) -> str:
+    """The bridge's address on `subnet` (`10.213.K`): the coordinator binds it."""
+    return f"{subnet}.1"
+
+
+def host_address(subnet: str, index: int) -> str:
+    """Emulated host `index`'s address on `subnet`."""
+    return f"{subnet}.{10 + index}"
+
+
 class EmulatedHosts:
     def __init__(self, count: int, *, owner_pid: int | None = None) -> None:
         check_available()
@@ -65,7 +75,7 @@ class EmulatedHosts:
         remove_stale()
         self.bridge = f"{PREFIX}{self.owner}br"
         self.subnet = _free_subnet()
-        self.gateway = f"{self.subnet}.1"
+        self.gateway = gateway_address(self.subnet)
         self.hosts: list[EmulatedHost] = []
         self._heals: list[threading.Timer] = []
         try:
@@ -87,7 +97,7 @@ class EmulatedHosts:
         if i > 200:
             raise NetnsUnavailable("more than 200 emulated hosts: the subnet is full")
         name = f"{PREFIX}{self.owner}h{i}"
-        host = EmulatedHost(name=f"host{i}", netns=name, veth=name, address=f"{self.subnet}.{10 + i}")
+        host = EmulatedHost(name=f"host{i}", netns=name, veth=name, address=host_address(self.subnet, i))
         self.hosts.append(host)
         _ip("netns", "add", host.netns)
         _ip("link", "add", host.veth, "type", "veth", "peer", "name", f"{host.veth}n")

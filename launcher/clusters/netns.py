@@ -23,7 +23,7 @@ from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.faults import FaultEvent
 from ckptless_core.job import JobOutcome
 from ckptless_core.local_cluster import agent_command
-from ckptless_core.netns import EmulatedHost, EmulatedHosts, NetnsUnavailable
+from ckptless_core.netns import EmulatedHost, EmulatedHosts, NetnsUnavailable, gateway_address, host_address
 from ckptless_core.netns import check_available as check_netns_available
 from launcher.clusters.workers import rank_commands, torchrun_line
 from launcher.errors import ConfigError
@@ -34,8 +34,8 @@ from recipes.train import worker_preload
 IFNAME = "eth0"
 """Each emulated host's link to the bridge: its workers' collectives go over it."""
 SUBNET = "10.213.K"
-"""The dry run's name for the hosts' subnet: `ckptless_core.netns` picks a free 10.213.K.0/24 at start, gives the
-bridge .1 (the coordinator, the c10d store, torchrun's rendezvous) and host i .(10 + i)."""
+"""The dry run's name for the hosts' subnet: `ckptless_core.netns` picks a free 10.213.K.0/24 at start (its
+`gateway_address` holds the coordinator, the c10d store and torchrun's rendezvous; `host_address` each host's)."""
 
 
 def check(job: JobConfig) -> None:
@@ -67,19 +67,21 @@ def worker_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
     lines = [
         f"# {total} emulated host(s) on this machine, host0..host{total - 1} ({cluster.spare_hosts} spare), each "
         f"its own network namespace, {IFNAME} {SUBNET}.(10 + i) on a bridge (K chosen at start); each host's node "
-        f"agent joins the coordinator at {SUBNET}.1, which holds the workers' c10d store, and forks:"
+        f"agent joins the coordinator at {gateway_address(SUBNET)}, which holds the workers' c10d store, and forks:"
     ]
     for i in range(cluster.num_hosts):
-        lines.append(f"# host{i} ({_address(i)})")
+        lines.append(f"# host{i} ({host_address(SUBNET, i)})")
         lines += rank_commands(
             job,
             run_dir=run_dir,
             host=i,
-            master_addr=f"{SUBNET}.1",
+            master_addr=gateway_address(SUBNET),
             env={"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME},
         )
     for i in range(cluster.num_hosts, total):
-        lines.append(f"# host{i} ({_address(i)}): a spare host, its workers hot spares for the ranks of a lost host")
+        lines.append(
+            f"# host{i} ({host_address(SUBNET, i)}): a spare host, its workers hot spares for the ranks of a lost host"
+        )
     return lines
 
 
@@ -87,19 +89,18 @@ def torchrun_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
     lines = [
         f"# {job.cluster.num_hosts} emulated host(s) on this machine, each its own network namespace, {IFNAME} "
         f"{SUBNET}.(10 + i) on a bridge (K chosen at start): one torchrun each, meeting in the c10d rendezvous the "
-        f"launcher holds at {SUBNET}.1 (port chosen at start); a lost host's replacement runs its command"
+        f"launcher holds at {gateway_address(SUBNET)} (port chosen at start); a lost host's replacement runs its command"
     ]
     for i in range(job.cluster.num_hosts):
         command = torchrun_command(
-            job, run_dir=run_dir, host=(f"host{i}", _address(i)), rendezvous=f"{SUBNET}.1:$RDZV_PORT"
+            job,
+            run_dir=run_dir,
+            host=(f"host{i}", host_address(SUBNET, i)),
+            rendezvous=f"{gateway_address(SUBNET)}:$RDZV_PORT",
         )
-        lines.append(f"# host{i} ({_address(i)})")
+        lines.append(f"# host{i} ({host_address(SUBNET, i)})")
         lines.append(torchrun_line(job, command, run_dir=run_dir, env=EmulatedTorchrun.host_env))
     return lines
-
-
-def _address(i: int) -> str:
-    return f"{SUBNET}.{10 + i}"
 
 
 class NetnsCluster(CoordinatorProcess):
