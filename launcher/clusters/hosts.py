@@ -77,8 +77,8 @@ def worker_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
         lines = [f"{joins} (the command is printed below once the coordinator listens)"]
     for i in range(cluster.num_hosts):
         lines.append(
-            f"# training host {i} (in the order agents join): its agent forks, with the c10d store at the coordinator's "
-            "address"
+            f"# training host {i} (training hosts are the first {cluster.num_hosts} --host names, sorted): its agent "
+            "forks, with the c10d store at the coordinator's address"
         )
         lines += rank_commands(job, run_dir=run_dir, host=i, master_addr=cluster.coordinator_address)
     if cluster.spare_hosts:
