@@ -94,7 +94,7 @@ class AgentChannels:
             elif isinstance(message, Hello):
                 self._admit(message, host)
             elif message is None:
-                self.lose_host(host, "its agent's channel closed")
+                self.lose_host(host, "its agent's channel closed", last_heard=received_at)
             elif host in self.membership.hosts:
                 self.membership.hosts[host].last_heard = received_at
                 if not isinstance(message, HostHeartbeat):
@@ -153,8 +153,9 @@ class AgentChannels:
             )
         return ""
 
-    def lose_host(self, host: str, detail: str) -> None:
-        """The host's agent is gone (its channel closed, or it fell silent): every process of the host with it."""
+    def lose_host(self, host: str, detail: str, *, last_heard: float | None = None) -> None:
+        """The host's agent is gone (its channel closed, or it fell silent): every process of the host with it.
+        `last_heard`: its last sign of life (the coordinator's clock; None: its last message)."""
         if host in self.membership.lost_hosts:
             return
         if self.ending:
@@ -163,7 +164,10 @@ class AgentChannels:
                 self.events.emit("host_left", host=host)
             return
         self.events.emit("host_lost", host=host, detail=detail)
-        lost = self.membership.lose_host(host, detail)
+        if last_heard is None:
+            record = self.membership.hosts.get(host)
+            last_heard = record.last_heard if record is not None else time.monotonic()
+        lost = self.membership.lose_host(host, detail, last_heard=last_heard)
         if lost is not None:
             lost.channel.close()
 

@@ -305,8 +305,10 @@ class Coordinator:
                 generation=generation.number,
                 **failure.event_fields(),
             )
-        now = time.time()
-        failed_at = min(self.fault_times.pop(name, now) for name in failures)
+        # Timed from the earliest last sign of life of what failed (an injected fault's moment, when earlier).
+        now, clock = time.time(), time.monotonic()
+        injected = {name: self.fault_times.pop(name, now) for name in failures}
+        failed_at = min(min(injected[name], now - (clock - f.last_seen)) for name, f in failures.items())
         self.events.emit(
             "recovery_phase",
             phase="detect",

@@ -36,6 +36,10 @@ class Failure:
     `worker_report`."""
     lost: bool = True
     """The worker is gone (else it reported, and rejoins the next generation)."""
+    last_seen: float = 0.0
+    """The last sign of life the coordinator had of what failed (its clock): the host's last message for a lost
+    host, the last message for a hung worker, the exit for an exit, the last progress marker for a stuck rank, the
+    report for a report. The time lost to the failure counts from here, not from when a rule found it."""
 
     def event_fields(self) -> dict[str, str]:
         return {"kind": self.kind, "detail": self.detail, "detected_by": self.detected_by}
@@ -55,10 +59,13 @@ def find_failures(
     codes = membership.exit_codes(members)
     failures: dict[str, Failure] = {}
     for name, code in codes.items():
-        if membership.workers[name].lost_with_host:
-            failures[name] = Failure("host_lost", membership.workers[name].lost_with_host, "host_timeout")
+        worker = membership.workers[name]
+        if worker.lost_with_host:
+            failures[name] = Failure(
+                "host_lost", worker.lost_with_host, "host_timeout", last_seen=worker.host_last_heard
+            )
         elif code not in (None, 0):
-            failures[name] = Failure("exit", describe_exit(code), "process_exit")
+            failures[name] = Failure("exit", describe_exit(code), "process_exit", last_seen=worker.last_heard)
     if not ft.enabled:
         return failures
     alive = [n for n in members if codes.get(n) is None and n not in failures]
@@ -68,19 +75,21 @@ def find_failures(
             # Not forked yet (its agent's fork server may still be importing): bounded by the start timeout.
             if now - worker.started_at > start_timeout_s:
                 detail = f"not started within {start_timeout_s:.0f} s (cluster.start_timeout_s)"
-                failures[name] = Failure("start", detail, "start_timeout")
+                failures[name] = Failure("start", detail, "start_timeout", last_seen=worker.started_at)
             continue
-        silent_s = now - max(worker.last_heard, worker.started_at)
+        heard_at = max(worker.last_heard, worker.started_at)
+        silent_s = now - heard_at
         if silent_s > ft.heartbeat_timeout_s:
             fence(name)
-            failures[name] = Failure("hang", f"no heartbeat for {silent_s:.1f} s", "heartbeat")
+            failures[name] = Failure("hang", f"no heartbeat for {silent_s:.1f} s", "heartbeat", last_seen=heard_at)
     if failures:
         return failures
     for name in stalled_members(membership, now=now, stall_timeout_s=ft.stall_timeout_s):
         fence(name)
         position = membership.workers[name].position
         step = position.step + 1 if position else "?"
-        failures[name] = Failure("stuck", f"alive but did not arrive at the collective of step {step}", "progress")
+        detail = f"alive but did not arrive at the collective of step {step}"
+        failures[name] = Failure("stuck", detail, "progress", last_seen=position.received_at if position else now)
     if failures:
         return failures
     reports = {
@@ -94,7 +103,8 @@ def find_failures(
     # A collective that failed because a peer raised and left it is that peer's failure, not a second one.
     causes = {name: r for name, r in reports.items() if r.kind != "collective"} or reports
     for name, report in causes.items():
-        failures[name] = Failure(report.kind, report.error, "worker_report", lost=False)
+        reported_at = membership.workers[name].failure[1]
+        failures[name] = Failure(report.kind, report.error, "worker_report", lost=False, last_seen=reported_at)
     return failures
 
 

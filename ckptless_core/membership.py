@@ -48,6 +48,9 @@ class WorkerRecord:
     """When its first progress marker of `position_generation` arrived."""
     lost_with_host: str = ""
     """Why this worker is gone with its host (empty: it is not)."""
+    host_last_heard: float = 0.0
+    """A worker gone with its host: when the host last gave a sign of life (its last message, or its channel's
+    close), the moment its failure is timed from."""
     failure: tuple[FailureReport, float] | None = None
     source_of: int = 0
     """The generation this worker announced itself as the state source of."""
@@ -126,8 +129,9 @@ class Membership:
         self.journal.write("generation", **asdict(generation))
         self.generation = generation
 
-    def lose_host(self, host: str, detail: str) -> HostRecord | None:
-        """Declare `host` lost with every process on it; returns its record (None: it was not connected)."""
+    def lose_host(self, host: str, detail: str, *, last_heard: float) -> HostRecord | None:
+        """Declare `host` lost with every process on it, last heard from at `last_heard`; returns its record (None:
+        it was not connected)."""
         self.journal.write("host_lost", name=host)
         self.lost_hosts.add(host)
         lost = self.hosts.pop(host, None)
@@ -135,6 +139,7 @@ class Membership:
             if worker.host == host and worker.exit_code is None:
                 worker.exit_code = -signal.SIGKILL
                 worker.lost_with_host = f"host {host} lost: {detail}"
+                worker.host_last_heard = last_heard
         return lost
 
     def replay(self, record: dict) -> None:
@@ -224,6 +229,7 @@ class Membership:
             if name not in message.workers and worker.exit_code is None:
                 worker.exit_code = -signal.SIGKILL
                 worker.lost_with_host = f"never started on host {host}: the coordinator died before ordering it"
+                worker.host_last_heard = time.monotonic()
         self.events.emit("agent_resent", host=host, workers=message.workers)
 
     # --- questions the rules ask -------------------------------------------------------------------------------

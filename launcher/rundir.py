@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +56,22 @@ def check_run_dir(path: Path, *, overwrite: bool, resume: str | None = None) -> 
             f"resume={resume} is the run directory this run writes (and run.overwrite=true would delete its "
             "checkpoints); give the new run its own run.dir"
         )
+    _check_writable(path)
+
+
+def _check_writable(path: Path) -> None:
+    """The run directory can be created and written: a directory is made and removed at once where it would go (in
+    it, or in its nearest existing parent), which catches what permission bits do not (a read-only mount, /proc)."""
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ckptless-probe-", dir=parent))
+    except OSError as error:
+        raise ConfigError(
+            f"run.dir={path} cannot be created or written ({error.strerror}: {parent}); choose a run.dir on "
+            "writable storage"
+        ) from None
 
 
 def create_run_dir(path: Path) -> None:

@@ -57,6 +57,7 @@ BAD_INPUTS = {
     "a fault the baseline cannot have": (["ft=checkpoint_restart", "fault=kill_spare"], "kill_spare"),
     "checkpoint interval neither steps nor auto": (["ft.checkpoint_every=often"], "ft.checkpoint_every"),
     "negative number of checkpoints to keep": (["ft.keep_checkpoints=-1"], "ft.keep_checkpoints"),
+    "run directory that cannot be created": (["run.dir=/proc/ckptless-run"], "run.dir=/proc/ckptless-run"),
 }
 
 

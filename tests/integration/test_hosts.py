@@ -4,16 +4,19 @@ Every test checks that no namespace, link or process of the emulated hosts is le
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from ckptless_core import netns
-from ckptless_core.events import read_events
+from ckptless_core.events import read_events, read_jsonl
 from tests.conftest import OFFLINE, read_summary
 
 STEPS = 24
@@ -91,6 +94,49 @@ def test_a_lost_host_is_replaced_from_the_spare_host_with_the_fault_free_paramet
     assert recovery["completed"] and recovery["bytes_moved"] > 0
     # The survivor blocked in a collective with the lost host did not wait out the collective timeout.
     assert recovery["time_to_recover_s"] < 2 + 10
+
+
+def power_off(launcher_pid: int, host: int) -> None:
+    """What a power cut does to emulated host `host` of a launcher, from outside it (no `fault=`): its link goes down
+    first (a live kernel would otherwise reset its connections, and the loss would rightly be seen at once), then
+    every process on it is killed."""
+    name = f"{netns.PREFIX}{launcher_pid}h{host}"
+    subprocess.run(["ip", "link", "set", name, "down"], check=True)
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def steps_committed(run_dir, worker: str) -> int:
+    path = run_dir / "events" / f"{worker}.jsonl"
+    return sum(e["event"] == "step_committed" for e in read_jsonl(path)) if path.exists() else 0
+
+
+@needs_netns
+def test_a_host_powered_off_from_outside_costs_the_time_since_its_last_sign_of_life(token_cache, tmp_path, fault_free):
+    """A real host loss, not an injected one: the time lost counts from the host's last message, so the detect phase
+    lasts at least the host timeout, and the job ends with the fault-free parameters."""
+    run_dir = tmp_path / "power-off"
+    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={STEPS}"]
+    command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
+    env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while steps_committed(run_dir, "worker1") < 4:
+            assert launcher.poll() is None and time.monotonic() < deadline, "training never reached step 4"
+            time.sleep(0.02)
+        power_off(launcher.pid, host=1)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    launcher.stdout.close()
+    assert launcher.returncode == 0, output[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free
+    assert [f["detected_by"] for f in summary["failures"]] == ["host_timeout"]
+    assert summary["recoveries"][0]["detect_s"] >= 2 - 0.3  # ft.host_timeout_s=2 of silence, all of it lost
 
 
 @needs_netns

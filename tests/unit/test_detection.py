@@ -63,15 +63,16 @@ def test_nothing_fails_while_every_member_is_heard(job):
 def test_an_exit_is_a_lost_failure_found_by_its_exit_code_and_not_fenced(job):
     relay(job, WorkerExited(worker="worker1", exit_code=-9), 1.0)
     failures, fenced = detect(job, now=1.0)
-    assert failures == {"worker1": Failure("exit", "killed by SIGKILL", "process_exit")}
+    assert failures == {"worker1": Failure("exit", "killed by SIGKILL", "process_exit", last_seen=1.0)}
     assert fenced == []
 
 
 def test_a_worker_gone_with_its_host_is_blamed_on_the_host(job):
-    job.lose_host("b", "its agent's channel closed")
-    failures, _ = detect(job, now=1.0)
+    job.lose_host("b", "silent for 2.0 s", last_heard=0.5)
+    failures, _ = detect(job, now=2.5)
     assert set(failures) == {"worker2", "worker3"}
     assert failures["worker2"].kind == "host_lost" and failures["worker2"].detected_by == "host_timeout"
+    assert failures["worker2"].last_seen == 0.5  # timed from the host's last message, not from its detection
     assert "b" in job.lost_hosts and job.spares() == []  # the spare went with it
     assert {"op": "host_lost", "name": "b"} in read_journal(job.journal.path)
 
@@ -81,7 +82,7 @@ def test_a_silent_worker_is_fenced_then_reported_as_hung(job):
         relay(job, Heartbeat(worker=name, generation=1), 9.0)
     failures, fenced = detect(job, now=10.5)
     assert fenced == ["worker2"]
-    assert failures == {"worker2": Failure("hang", "no heartbeat for 10.5 s", "heartbeat")}
+    assert failures == {"worker2": Failure("hang", "no heartbeat for 10.5 s", "heartbeat", last_seen=0.0)}
 
 
 def test_without_fault_tolerance_only_exits_count(job):
@@ -104,7 +105,8 @@ def test_a_stalled_step_blames_the_rank_that_never_arrived_never_the_waiting_one
     assert stalled_members(job, now=10.0, stall_timeout_s=10.0) == []  # waited 9 s: not yet
     failures, fenced = detect(job, now=11.5)
     assert fenced == ["worker2"]
-    assert failures == {"worker2": Failure("stuck", "alive but did not arrive at the collective of step 5", "progress")}
+    detail = "alive but did not arrive at the collective of step 5"
+    assert failures == {"worker2": Failure("stuck", detail, "progress", last_seen=1.0)}  # its last progress marker
 
 
 def test_no_stall_is_judged_while_the_generation_still_forms(job):
@@ -120,7 +122,8 @@ def test_a_report_waits_for_the_settle_time_and_a_peers_error_outranks_the_colle
         relay(job, Heartbeat(worker=name, generation=1), 1.1)
     assert detect(job, now=1.2) == ({}, [])  # within ft.settle_s: an exit may still explain it
     failures, fenced = detect(job, now=1.4)
-    assert failures == {"worker1": Failure("exception", "boom", "worker_report", lost=False)} and fenced == []
+    assert failures == {"worker1": Failure("exception", "boom", "worker_report", lost=False, last_seen=1.0)}
+    assert fenced == []
 
 
 def test_a_report_of_an_older_generation_is_not_a_failure_of_this_one(job):
