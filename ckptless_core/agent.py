@@ -13,6 +13,7 @@ reach the coordinator, which refuses it once its ranks were replaced.
 
     python -m ckptless_core.agent --coordinator 10.0.0.1:29400 --host node7 --secret-file /shared/run/secret \\
         --run-dir /shared/run [--ifname eth0] [--preload torch ...]
+    python -m ckptless_core.agent --coordinator-file /shared/run/coordinator/address ...   # placed by a scheduler
 
 No Hydra and no transformers here: what the host runs comes from the coordinator (`HostJob`).
 """
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptless_core.channel import Channel, accept_channel, read_secret
+from ckptless_core.coordinator_address import parse_address, read_coordinator_address
 from ckptless_core.coordinator_link import CoordinatorLink
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
@@ -90,6 +92,7 @@ class Agent:
         run_dir: str | None,
         ifname: str | None,
         connect_timeout_s: float = 5.0,
+        address_file: Path | None = None,
     ) -> None:
         self.host = host
         self.secret = secret
@@ -109,7 +112,12 @@ class Agent:
         self.job: HostJob | None = None
         self.fenced = False
         self.uplink = CoordinatorLink(
-            address=coordinator, host=host, secret=secret, run_dir=run_dir, connect_timeout_s=connect_timeout_s
+            address=coordinator,
+            host=host,
+            secret=secret,
+            run_dir=run_dir,
+            connect_timeout_s=connect_timeout_s,
+            address_file=address_file,
         )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.events: EventLog | None = None
@@ -352,7 +360,14 @@ def start_fork_server(preload: Sequence[str]) -> multiprocessing.context.BaseCon
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckptless_core.agent", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--coordinator", required=True, help="host:port of the coordinator's control channel")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--coordinator", type=parse_address, help="host:port of the coordinator's control channel")
+    where.add_argument(
+        "--coordinator-file",
+        type=Path,
+        help="the file where the coordinator says where it listens (<run dir>/coordinator/address), read again "
+        "whenever the channel closes: a coordinator restarted elsewhere is found",
+    )
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the job")
     parser.add_argument("--secret-file", default=os.environ.get("CKPTLESS_SECRET_FILE"), help="the job's secret")
     parser.add_argument("--run-dir", default=None, help="the run directory (shared storage): its config is checked")
@@ -365,24 +380,26 @@ def main(argv: list[str] | None = None) -> int:
         exit_with(os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides how a job stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    address, _, port = options.coordinator.rpartition(":")
     try:
         secret = read_secret(path=options.secret_file, hex_value=os.environ.get("CKPTLESS_SECRET"))
         if options.preload:
             start_fork_server(options.preload)  # overlap the imports with joining the coordinator
-        agent = _connect(options, (address, int(port)), secret)
+        agent = _connect(options, secret)
     except (ValueError, OSError, ProtocolError) as error:
         print(f"agent {options.host}: {error}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     return agent.run(preload=options.preload)
 
 
-def _connect(options, address: tuple[str, int], secret: bytes) -> Agent:
-    """Join the coordinator, retrying with backoff while it is not up yet or not answering yet (bounded by
-    --connect-timeout-s)."""
+def _connect(options, secret: bytes) -> Agent:
+    """Join the coordinator, retrying with backoff while it is not up yet, not answering yet, or (with
+    --coordinator-file) has not said where it listens yet; bounded by --connect-timeout-s."""
     deadline, delay = time.monotonic() + options.connect_timeout_s, 0.05
     while True:
         try:
+            address = options.coordinator or read_coordinator_address(options.coordinator_file)
+            if address is None:
+                raise TimeoutError(f"no coordinator address in {options.coordinator_file} yet")
             return Agent(
                 coordinator=address,
                 host=options.host,
@@ -390,6 +407,7 @@ def _connect(options, address: tuple[str, int], secret: bytes) -> Agent:
                 run_dir=options.run_dir,
                 ifname=options.ifname,
                 connect_timeout_s=deadline - time.monotonic(),
+                address_file=options.coordinator_file,
             )
         except (ConnectionRefusedError, TimeoutError):
             if time.monotonic() + delay > deadline:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckptless_core.channel import Channel, connect_channel
+from ckptless_core.coordinator_address import read_coordinator_address
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
     PROTOCOL_VERSION,
@@ -41,9 +42,19 @@ def config_sha256(run_dir: str | Path | None) -> str:
 
 class CoordinatorLink:
     def __init__(
-        self, *, address: tuple[str, int], host: str, secret: bytes, run_dir: str | None, connect_timeout_s: float
+        self,
+        *,
+        address: tuple[str, int],
+        host: str,
+        secret: bytes,
+        run_dir: str | None,
+        connect_timeout_s: float,
+        address_file: Path | None = None,
     ) -> None:
+        """`address_file`: where the coordinator says it listens (`coordinator_address`), read again before each
+        try to reconnect: a coordinator restarted elsewhere is found there."""
         self.address = address
+        self.address_file = address_file
         self.host = host
         self.secret = secret
         self.run_dir = run_dir
@@ -154,6 +165,8 @@ class CoordinatorLink:
         while time.monotonic() < deadline:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+            if self.address_file is not None:
+                self.address = read_coordinator_address(self.address_file) or self.address
             try:
                 channel = self._connect_once(deadline - time.monotonic())
                 reply = channel.recv()

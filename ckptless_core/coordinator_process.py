@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ckptless_core.coordinator_address import write_coordinator_address
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultEvent
 from ckptless_core.job import JobOutcome, JobSpec, describe_exit
@@ -81,6 +82,7 @@ def run_coordinator(
     coordinator = Coordinator(
         secret=secret, bind_address=control.getsockname()[0], listener=control, store_socket=store_listener
     )
+    write_coordinator_address(run_dir, coordinator.address)
     try:
         if journal_path(run_dir).exists():
             coordinator.resume(spec)

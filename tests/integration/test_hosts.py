@@ -339,15 +339,18 @@ def test_agents_started_by_hand_join_a_job_on_hosts_and_a_mismatched_one_is_refu
         secret_file = run_dir / "control.secret"
         assert secret_file.stat().st_mode & 0o777 == 0o600
 
-        def agent(host: str, directory) -> subprocess.Popen:
-            command = [sys.executable, "-m", "ckptless_core.agent", "--coordinator", coordinator]
+        def agent(host: str, directory, *where: str) -> subprocess.Popen:
+            command = [sys.executable, "-m", "ckptless_core.agent", *where]
             command += ["--secret-file", str(secret_file), "--run-dir", str(directory), "--host", host]
             return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 
-        stray = agent("stray", other)
+        stray = agent("stray", other, "--coordinator", coordinator)
         assert stray.wait(timeout=60) == 2
         assert "another config.yaml" in stray.stderr.read()
-        agents = [agent(host, run_dir) for host in ("node0", "node1")]
+        # One agent as an operator starts it, one as a scheduler would: finding the coordinator in the run directory.
+        address_file = str(run_dir / "coordinator" / "address")
+        agents = [agent("node0", run_dir, "--coordinator", coordinator)]
+        agents.append(agent("node1", run_dir, "--coordinator-file", address_file))
         output, _ = launcher.communicate(timeout=300)
         assert launcher.returncode == 0, "".join(lines) + output
         assert [a.wait(timeout=60) for a in agents] == [0, 0]

@@ -9,6 +9,12 @@ import threading
 import pytest
 
 from ckptless_core.channel import accept_channel, connect_channel, new_secret
+from ckptless_core.coordinator_address import (
+    coordinator_address_path,
+    parse_address,
+    read_coordinator_address,
+    write_coordinator_address,
+)
 from ckptless_core.protocol import (
     FailureReport,
     Generation,
@@ -199,3 +205,14 @@ def test_what_an_agent_resends_to_a_restarted_coordinator_round_trips():
         assert decode(encode(message)) == message
     with pytest.raises(ProtocolError, match="Resent.workers"):
         decode(b'{"type": "Resent", "host": "node0", "workers": [1]}')
+
+
+def test_the_coordinators_address_file_is_written_whole_and_read_back(tmp_path):
+    assert read_coordinator_address(coordinator_address_path(tmp_path)) is None  # not written yet: keep waiting
+    write_coordinator_address(tmp_path, ("10.0.0.7", 29400))
+    assert read_coordinator_address(coordinator_address_path(tmp_path)) == ("10.0.0.7", 29400)
+    write_coordinator_address(tmp_path, ("10.0.0.9", 31000))  # a coordinator restarted elsewhere
+    assert read_coordinator_address(coordinator_address_path(tmp_path)) == ("10.0.0.9", 31000)
+    assert parse_address("[::1]:29400") == ("::1", 29400)
+    with pytest.raises(ValueError, match="not host:port"):
+        parse_address("node7")
