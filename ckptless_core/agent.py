@@ -15,6 +15,9 @@ reach the coordinator, which refuses it once its ranks were replaced.
         --run-dir /shared/run [--ifname eth0] [--preload torch ...]
     python -m ckptless_core.agent --coordinator-file /shared/run/coordinator/address ...   # placed by a scheduler
 
+SIGTERM to the agent alone is its host leaving (`LEAVE_GRACE_S`); SIGINT is ignored: the coordinator decides how a
+job stops.
+
 No Hydra and no transformers here: what the host runs comes from the coordinator (`HostJob`).
 """
 
@@ -59,6 +62,14 @@ from ckptless_core.worker_process import exit_with, run_worker
 
 EXIT_REFUSED = 2
 EXIT_COORDINATOR_LOST = 3
+EXIT_LEFT = 4
+"""The host left: SIGTERM reached its agent and no stop of the whole job followed (`LEAVE_GRACE_S`)."""
+LEAVE_GRACE_S = 2.0
+"""How long an agent that got SIGTERM waits for the coordinator's stop before it takes the signal as its host
+leaving. A SIGTERM meant for the whole job (`scancel`, a deleted JobSet, a process group's) reaches the coordinator
+too, whose stop (StopAt) then arrives within this; one that reaches this agent alone (an eviction, a drain, a spot
+notice) is its host leaving: its workers are killed and it exits, so the coordinator hands its ranks to spares as
+for a lost host."""
 
 
 @dataclass
@@ -121,6 +132,8 @@ class Agent:
         )
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.events: EventLog | None = None
+        self.terminated_at: float | None = None
+        """When SIGTERM reached this agent (None: it did not)."""
 
     def run(self, *, preload: list[str]) -> int:
         try:
@@ -145,6 +158,7 @@ class Agent:
             coordinator_timeout_s=self.job.coordinator_timeout_s,
         )
         threading.Thread(target=self._accept_workers, name="accept", daemon=True).start()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._serve()
         finally:
@@ -179,6 +193,8 @@ class Agent:
                     self._relay(source, message)
             if self._lease_expired():
                 self._fence_self()
+            if self._leaving():
+                return self._leave()
 
     def _handle(self, message) -> None:
         if isinstance(message, StartWorker):
@@ -243,6 +259,24 @@ class Agent:
         members = [name for name in self.generation.members if name in self.processes]
         silent = now - self.uplink.heard_at > self.job.lease_s and self.uplink.connected.is_set()
         return not self.fenced and bool(members) and silent and now - self.uplink.last_commit_at > self.job.lease_s
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.terminated_at is None:
+            self.terminated_at = time.monotonic()
+        os.write(self._wake_w, b"t")
+
+    def _leaving(self) -> bool:
+        """SIGTERM came, and no stop of the whole job within `LEAVE_GRACE_S` (see there)."""
+        waited = self.terminated_at is not None and time.monotonic() - self.terminated_at > LEAVE_GRACE_S
+        return waited and self.stop_at is None
+
+    def _leave(self) -> int:
+        """This host leaves the job (its workers are killed on the way out): the coordinator sees its channel close
+        and replaces its ranks, as for a lost host, until drains hand them over at a step boundary."""
+        message = f"agent {self.host}: SIGTERM and no stop of the job within {LEAVE_GRACE_S:.0f} s: this host leaves"
+        print(message, file=sys.stderr, flush=True)
+        self.events.emit("host_leaving", grace_s=LEAVE_GRACE_S)
+        return EXIT_LEFT
 
     def _fence_self(self) -> None:
         silent_s = time.monotonic() - self.uplink.heard_at
@@ -378,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.exit_with_parent:
         exit_with(os.getppid())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides how a job stops
+    # The coordinator decides how a job stops; a SIGTERM that reaches this agent alone is its host leaving (see
+    # LEAVE_GRACE_S), handled once the agent serves; while it joins, nothing of the job runs here yet.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         secret = read_secret(path=options.secret_file, hex_value=os.environ.get("CKPTLESS_SECRET"))

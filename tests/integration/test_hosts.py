@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -137,6 +138,55 @@ def test_a_host_powered_off_from_outside_costs_the_time_since_its_last_sign_of_l
     assert summary["status"] == "completed" and summary["param_sha256"] == fault_free
     assert [f["detected_by"] for f in summary["failures"]] == ["host_timeout"]
     assert summary["recoveries"][0]["detect_s"] >= 2 - 0.3  # ft.host_timeout_s=2 of silence, all of it lost
+
+
+AGENT = [b"-m", b"ckptless_core.agent"]
+
+
+def agent_pid(launcher_pid: int, host: int) -> int:
+    """The node agent of emulated host `host`, as this machine numbers it."""
+    name = f"{netns.PREFIX}{launcher_pid}h{host}"
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=True).stdout.split()
+    # The agent itself, not the `unshare` that started it (whose arguments name it too, and which ignores SIGTERM).
+    return next(int(p) for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:3] == AGENT)
+
+
+LONG_STEPS = 60
+"""Long enough for a host to leave mid-run: its agent waits `agent.LEAVE_GRACE_S` before it goes."""
+
+
+@pytest.fixture(scope="module")
+def fault_free_long(run):
+    proc, run_dir = run("reference-long", "ft.spares=0", f"trainer.max_steps={LONG_STEPS}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return read_summary(run_dir)["param_sha256"]
+
+
+@needs_netns
+def test_a_sigterm_to_one_agent_alone_is_its_host_leaving_and_the_job_goes_on(token_cache, tmp_path, fault_free_long):
+    """An eviction or a spot notice reaches one host's agent, not the job: its ranks go to the spare host (as for a
+    lost host, until drains hand them over at a step boundary), never a stop of the whole job."""
+    run_dir = tmp_path / "leaving"
+    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={LONG_STEPS}"]
+    command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
+    env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while steps_committed(run_dir, "worker1") < 4:
+            assert launcher.poll() is None and time.monotonic() < deadline, "training never reached step 4"
+            time.sleep(0.02)
+        os.kill(agent_pid(launcher.pid, host=1), signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    launcher.stdout.close()
+    assert launcher.returncode == 0, output[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free_long
+    assert [f["kind"] for f in summary["failures"]] == ["host_lost"]
+    (left,) = [e for e in read_events(run_dir / "events") if e["event"] == "host_leaving"]
+    assert left["worker"] == "agent-host1"
 
 
 @needs_netns
