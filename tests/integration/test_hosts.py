@@ -114,12 +114,10 @@ def steps_committed(run_dir, worker: str) -> int:
     return sum(e["event"] == "step_committed" for e in read_jsonl(path)) if path.exists() else 0
 
 
-@needs_netns
-def test_a_host_powered_off_from_outside_costs_the_time_since_its_last_sign_of_life(token_cache, tmp_path, fault_free):
-    """A real host loss, not an injected one: the time lost counts from the host's last message, so the detect phase
-    lasts at least the host timeout, and the job ends with the fault-free parameters."""
-    run_dir = tmp_path / "power-off"
-    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={STEPS}"]
+def strike_from_outside(token_cache, run_dir, strike, *, steps: int) -> dict:
+    """Run the job on emulated hosts (a spare host, no spare process), call `strike(launcher_pid)` once host1's
+    worker has committed 4 steps, and return the summary of the job, which must complete."""
+    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={steps}"]
     command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
     env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -128,14 +126,23 @@ def test_a_host_powered_off_from_outside_costs_the_time_since_its_last_sign_of_l
         while steps_committed(run_dir, "worker1") < 4:
             assert launcher.poll() is None and time.monotonic() < deadline, "training never reached step 4"
             time.sleep(0.02)
-        power_off(launcher.pid, host=1)
+        strike(launcher.pid)
         output, _ = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
-    launcher.stdout.close()
+        launcher.stdout.close()
     assert launcher.returncode == 0, output[-3000:]
     summary = read_summary(run_dir)
-    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    return summary
+
+
+@needs_netns
+def test_a_host_powered_off_from_outside_costs_the_time_since_its_last_sign_of_life(token_cache, tmp_path, fault_free):
+    """A real host loss, not an injected one: the time lost counts from the host's last message, so the detect phase
+    lasts at least the host timeout, and the job ends with the fault-free parameters."""
+    summary = strike_from_outside(token_cache, tmp_path / "power-off", lambda pid: power_off(pid, host=1), steps=STEPS)
+    assert summary["param_sha256"] == fault_free
     assert [f["detected_by"] for f in summary["failures"]] == ["host_timeout"]
     assert summary["recoveries"][0]["detect_s"] >= 2 - 0.3  # ft.host_timeout_s=2 of silence, all of it lost
 
@@ -167,23 +174,12 @@ def test_a_sigterm_to_one_agent_alone_is_its_host_leaving_and_the_job_goes_on(to
     """An eviction or a spot notice reaches one host's agent, not the job: its ranks go to the spare host (as for a
     lost host, until drains hand them over at a step boundary), never a stop of the whole job."""
     run_dir = tmp_path / "leaving"
-    command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={LONG_STEPS}"]
-    command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
-    env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while steps_committed(run_dir, "worker1") < 4:
-            assert launcher.poll() is None and time.monotonic() < deadline, "training never reached step 4"
-            time.sleep(0.02)
-        os.kill(agent_pid(launcher.pid, host=1), signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=300)
-    finally:
-        launcher.kill()
-    launcher.stdout.close()
-    assert launcher.returncode == 0, output[-3000:]
-    summary = read_summary(run_dir)
-    assert summary["status"] == "completed" and summary["param_sha256"] == fault_free_long
+
+    def sigterm_to_agent(launcher_pid: int) -> None:
+        os.kill(agent_pid(launcher_pid, host=1), signal.SIGTERM)
+
+    summary = strike_from_outside(token_cache, run_dir, sigterm_to_agent, steps=LONG_STEPS)
+    assert summary["param_sha256"] == fault_free_long
     assert [f["kind"] for f in summary["failures"]] == ["host_lost"]
     (left,) = [e for e in read_events(run_dir / "events") if e["event"] == "host_leaving"]
     assert left["worker"] == "agent-host1"
