@@ -24,6 +24,7 @@ No Hydra and no transformers here: what the host runs comes from the coordinator
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -35,7 +36,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptless_core.channel import Channel, accept_channel, read_secret
@@ -48,6 +48,7 @@ from ckptless_core.protocol import (
     FenceWorker,
     Generation,
     Hello,
+    HostJob,
     ProtocolError,
     Refused,
     Shutdown,
@@ -70,27 +71,6 @@ leaving. A SIGTERM meant for the whole job (`scancel`, a deleted JobSet, a proce
 too, whose stop (StopAt) then arrives within this; one that reaches this agent alone (an eviction, a drain, a spot
 notice) is its host leaving: its workers are killed and it exits, so the coordinator hands its ranks to spares as
 for a lost host."""
-
-
-@dataclass
-class HostJob:
-    """What every worker of the job runs; the coordinator sends it in its Welcome."""
-
-    entry: str
-    """`package.module:function` each worker calls."""
-    run_dir: str
-    """The run directory, on storage every host sees: `logs/<worker>.log`, events."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment of every worker (the collective store's address included)."""
-    threads_per_worker: int = 1
-    preload: list[str] = field(default_factory=list)
-    """Modules the fork server imports once (when not already given on the command line)."""
-    heartbeat_interval_s: float = 0.25
-    """How often the agent tells the coordinator that this host is reachable."""
-    coordinator_timeout_s: float = 60.0
-    """How long the agent keeps its workers without a coordinator before it stops them and exits."""
-    lease_s: float = 1.5
-    """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
 
 
 class Agent:
@@ -384,6 +364,21 @@ class Agent:
             self.events.close()
 
 
+def claim_host_name(machine: str, *, run_dir: str | None) -> str:
+    """`<machine>-<n>` with the lowest n no agent of this job claimed before (a file made exclusively in
+    `<run dir>/agents/`, on storage every host sees); without a run directory, the process id stands for n."""
+    if run_dir is None:
+        return f"{machine}-{os.getpid()}"
+    folder = Path(run_dir) / "agents"
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        try:
+            os.close(os.open(folder / f"{machine}-{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue
+        return f"{machine}-{n}"
+
+
 def start_fork_server(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
     """Start the fork server now, importing `preload` in the background, so later worker starts are fast. Idempotent."""
     context = multiprocessing.get_context("forkserver")
@@ -402,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the file where the coordinator says where it listens (<run dir>/coordinator/address), read again "
         "whenever the channel closes: a coordinator restarted elsewhere is found",
     )
-    parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the job")
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="this host's name in the job (default: the machine's name and a number new at every start of an agent "
+        "there, `node2-1`: a node returned to service, or a pod recreated under its hostname, is a new host)",
+    )
     parser.add_argument("--secret-file", default=os.environ.get("CKPTLESS_SECRET_FILE"), help="the job's secret")
     parser.add_argument("--run-dir", default=None, help="the run directory (shared storage): its config is checked")
     parser.add_argument("--ifname", default=None, help="network interface for the collective backend on this host")
@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout-s", type=float, default=60.0)
     parser.add_argument("--exit-with-parent", action="store_true", help="die with the process that started it")
     options = parser.parse_args(argv)
+    options.host = options.host or claim_host_name(socket.gethostname(), run_dir=options.run_dir)
     if options.exit_with_parent:
         exit_with(os.getppid())
     # The coordinator decides how a job stops; a SIGTERM that reaches this agent alone is its host leaving (see

@@ -9,7 +9,6 @@ import threading
 import time
 from dataclasses import asdict
 
-from ckptless_core.agent import HostJob
 from ckptless_core.control_server import ControlServer, Refusal
 from ckptless_core.events import EventLog
 from ckptless_core.job import JobSpec
@@ -20,6 +19,7 @@ from ckptless_core.protocol import (
     CoordinatorHeartbeat,
     Hello,
     HostHeartbeat,
+    HostJob,
     Refused,
     Shutdown,
     Welcome,

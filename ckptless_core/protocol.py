@@ -71,7 +71,28 @@ class Welcome:
     """Coordinator -> agent after a matching Hello: what the host runs."""
 
     job: dict[str, typing.Any]
-    """The agent's instructions (see `agent.HostJob`)."""
+    """The agent's instructions (`HostJob`, as a dict)."""
+
+
+@dataclass
+class HostJob:
+    """What every worker of a host runs: the body of the coordinator's Welcome (`Welcome.job`)."""
+
+    entry: str
+    """`package.module:function` each worker calls."""
+    run_dir: str
+    """The run directory, on storage every host sees: `logs/<worker>.log`, events."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every worker (the collective store's address included)."""
+    threads_per_worker: int = 1
+    preload: list[str] = field(default_factory=list)
+    """Modules the fork server imports once (when not already given on the command line)."""
+    heartbeat_interval_s: float = 0.25
+    """How often the agent tells the coordinator that this host is reachable."""
+    coordinator_timeout_s: float = 60.0
+    """How long the agent keeps its workers without a coordinator before it stops them and exits."""
+    lease_s: float = 1.5
+    """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ RUN_OUTPUTS = (
     "checkpoints",
     "coordinator",
     "control.secret",
+    "agents",
 )
 """What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
 go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ckptless_core import transfer
+from ckptless_core.agent import claim_host_name
 from ckptless_core.channel import accept_channel, new_secret
 from ckptless_core.checkpoint import Checkpointer, NoUsableCheckpoint, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
@@ -612,3 +613,11 @@ def test_the_state_checksum_catches_a_flipped_bit_and_swapped_elements():
     flat[[1, CHUNK_WORDS + 3]] = flat[[CHUNK_WORDS + 3, 1]]  # the same values, in another order, across chunks
     assert state_checksum([swapped, *state[1:]], salt=12) != reference
     assert state_checksum([state[1], state[0], state[2]], salt=12) != reference  # tensors in another order
+
+
+def test_an_agent_without_a_host_name_claims_the_machines_name_and_a_number_new_at_every_start(tmp_path):
+    # A node Slurm returns to service, or a pod recreated under its hostname, must not be the host it replaced.
+    names = [claim_host_name("node2", run_dir=str(tmp_path)) for _ in range(3)]
+    assert names == ["node2-1", "node2-2", "node2-3"]
+    assert claim_host_name("node3", run_dir=str(tmp_path)) == "node3-1"
+    assert claim_host_name("node2", run_dir=None) == f"node2-{os.getpid()}"
