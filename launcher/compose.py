@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
-from launcher.clusters import cluster_kind
+from launcher.clusters import KINDS, cluster_kind
 from launcher.errors import ConfigError
 from recipes.data.sources import check_data_config
 from recipes.schema import ClusterConfig, JobConfig, OptimConfig
@@ -53,10 +53,33 @@ def compose_job(overrides: list[str]) -> ComposedJob:
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
     # The kind's own limits first: they name a better fix than the size rules below (one host on cluster=local).
-    cluster_kind(job.cluster.kind).check(job)
+    kind = cluster_kind(job.cluster.kind)
+    refuse_other_kinds_options(job.cluster)
+    kind.check(job)
     resolve_cluster_sizes(job.cluster)
+    if job.ft.coordinator_timeout_s is None:
+        job.ft.coordinator_timeout_s = kind.COORDINATOR_TIMEOUT_S
     validate(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
+
+
+def refuse_other_kinds_options(cluster: ClusterConfig) -> None:
+    """An option that only another kind reads (each kind's `OPTIONS`) is refused when set: it would be ignored."""
+    defaults = ClusterConfig()
+    for name in KINDS:
+        if name == cluster.kind:
+            continue
+        for option in cluster_kind(name).OPTIONS:
+            if option in cluster_kind(cluster.kind).OPTIONS or getattr(cluster, option) == getattr(defaults, option):
+                continue
+            raise ConfigError(
+                f"cluster.{option} applies to {_kinds_reading(option)} only, not to cluster={cluster.kind}; "
+                f"remove it, or choose {_kinds_reading(option)}"
+            )
+
+
+def _kinds_reading(option: str) -> str:
+    return " or ".join(f"cluster={name}" for name in KINDS if option in cluster_kind(name).OPTIONS)
 
 
 def resolve_cluster_sizes(cluster: ClusterConfig) -> None:

@@ -136,7 +136,8 @@ class ParallelConfig:
 class ClusterConfig:
     kind: str = "local"
     """Where workers run: `local` (one host: this machine), `netns` (emulated hosts on this machine, each its own
-    network, PID and UTS namespace; needs root) or `hosts` (node agents started by hand on real hosts)."""
+    network, PID and UTS namespace; needs root), `hosts` (node agents started by hand on real hosts), `slurm`
+    (submitted with sbatch) or `k8s` (a JobSet's manifests)."""
     nproc: int | None = 2  # noqa: UP007 - OmegaConf reads `typing.Optional`
     """Data-parallel workers in all (spares not counted); null: `num_hosts` x `nproc_per_host`."""
     num_hosts: int = 1
@@ -160,6 +161,46 @@ class ClusterConfig:
     """How long workers may take to start and join before the job fails."""
     memory_limit_gib: float | None = None
     """Memory available to the job for the fit check; default: what this machine reports as available."""
+    ifname: str | None = None
+    """`slurm`, `k8s`: the nodes' network interface for the collective backend and the control channel (the
+    coordinator binds its address); default: the address the node's hostname resolves to (`slurm`), the pod's
+    address (`k8s`)."""
+    python: str | None = None
+    """`slurm`: the interpreter on the nodes; default: the launcher's own (`sys.executable`)."""
+    partition: str | None = None
+    """`slurm`: the partition (`--partition`); default: the cluster's default partition."""
+    account: str | None = None
+    """`slurm`: the account charged (`--account`)."""
+    time: str | None = None
+    """`slurm`: the time limit (`--time`, e.g. `24:00:00`); the coordinator is warned `time_warning_s` before it
+    and stops the job cleanly with a final checkpoint."""
+    time_warning_s: int = 300
+    """`slurm`: how long before the time limit the coordinator is signalled (`--signal=B:TERM@...`)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """`slurm`: extra `#SBATCH` lines for every job of the run, e.g. `[--qos=high, --constraint=h100]`."""
+    srun_prefix: str = "srun --ntasks=1"
+    """`slurm`: what starts each process in its allocation; a container wrapper goes here, e.g. `srun --ntasks=1
+    --container-image=nvcr.io#nvidia/pytorch:25.01-py3` (pyxis) or `srun --ntasks=1 apptainer exec img.sif`."""
+    queued_hosts: int = 2
+    """`slurm`: host tasks queued behind the running ones (`--array=0-K%M`): each starts when a host's task ends
+    (a lost node, a host that left) and joins as a spare host. Cancelled when the job ends."""
+    detach: bool = False
+    """`slurm`: return right after submitting (the job runs on; `python -m launcher.follow <run dir>` follows it)."""
+    shared_run_dir_ok: bool = False
+    """`slurm`: accept a run directory under /tmp (refused by default: every node must see the run directory)."""
+    image: str = "ghcr.io/ckptless/ckptless:0.1.0"
+    """`k8s`: the container image of every pod (ckptless and its dependencies installed)."""
+    namespace: str = "default"
+    """`k8s`: the namespace of the JobSet, its Service and its Secret."""
+    volume: str = "ckptless-runs"
+    """`k8s`: a ReadWriteMany PersistentVolumeClaim holding the run directory (the coordinator's journal outlives
+    its pod there)."""
+    mount_path: str = "/runs"
+    """`k8s`: where the volume is mounted in every pod; the pods' run directory is `<mount_path>/<run name>`."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """`k8s`: the pods' `nodeSelector`."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """`k8s`: the pods' `tolerations`, as Kubernetes writes them."""
 
 
 @dataclass
@@ -190,10 +231,12 @@ class FtConfig:
     """A host that hears nothing from the coordinator this long while none of its workers commits a step is cut
     off: its agent fences them itself (SIGKILL; nothing more reaches the run directory), before the coordinator
     gives their ranks to others at `host_timeout_s`. Below `host_timeout_s`; null: 3/4 of it."""
-    coordinator_timeout_s: float = 30.0
-    """How long node agents keep their workers without a coordinator (it died and is being restarted: the
-    launcher restarts it in place); then they stop them and exit (code 3). Steps go on meanwhile; a failure in
-    that time is handled once it is back."""
+    coordinator_timeout_s: float | None = None
+    """How long node agents keep their workers without a coordinator (it died and is being restarted); then they
+    stop them and exit (code 3). Steps go on meanwhile; a failure in that time is handled once it is back. null: the
+    cluster kind's default, longer than what brings a coordinator back there: 30 s where the launcher restarts it
+    in place (`local`, `netns`, `hosts`), 900 s on `slurm` (a requeue waits until Slurm marks the node down,
+    `SlurmdTimeout`: 300 s by default), 600 s on `k8s` (a pod on an unreachable node is evicted after 300 s)."""
     checkpoint_every: Union[int, str] = 0  # noqa: UP007 - OmegaConf reads `typing.Union`, not `int | str`
     """Write a disk checkpoint every this many steps; `auto`: the Young-Daly interval sqrt(2 x write cost x
     `mtbf_s`), from the measured write cost and step time; 0: no checkpoints. In `ckptless` mode they are written in

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.job import JobOutcome
-from launcher.clusters import hosts, local, netns
+from launcher.clusters import hosts, k8s, local, netns, slurm
 from launcher.errors import ConfigError
 from launcher.torchrun import TorchrunJob
 from recipes.schema import JobConfig
@@ -41,6 +41,11 @@ class Runner(Protocol):
 class ClusterKind(Protocol):
     """What each kind's module provides."""
 
+    OPTIONS: tuple[str, ...]
+    """The `cluster.*` options only this kind reads: set with another kind, they are refused."""
+    COORDINATOR_TIMEOUT_S: float
+    """`ft.coordinator_timeout_s` when not set: longer than what brings a lost coordinator back on this kind."""
+
     def check(self, job: JobConfig) -> None:
         """Refuse (`ConfigError`) a job this kind cannot run, before anything starts."""
 
@@ -61,7 +66,7 @@ class ClusterKind(Protocol):
         """For the dry run: the torchrun command of each host, as shell lines."""
 
 
-KINDS: dict[str, ClusterKind] = {"local": local, "netns": netns, "hosts": hosts}
+KINDS: dict[str, ClusterKind] = {"local": local, "netns": netns, "hosts": hosts, "slurm": slurm, "k8s": k8s}
 
 
 def cluster_kind(name: str) -> ClusterKind:

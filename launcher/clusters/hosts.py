@@ -23,6 +23,12 @@ NO_TORCHRUN = (
 )
 
 
+OPTIONS: tuple[str, ...] = ()
+"""The `cluster.*` options only this kind reads (others refuse them when set)."""
+COORDINATOR_TIMEOUT_S = 30.0
+"""`ft.coordinator_timeout_s` by default: the launcher restarts a dead coordinator in place within a second."""
+
+
 def check(job: JobConfig) -> None:
     if job.ft.mode == "checkpoint_restart":
         raise ConfigError(NO_TORCHRUN)

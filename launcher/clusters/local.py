@@ -13,6 +13,11 @@ from launcher.torchrun import TorchrunJob, torchrun_command
 from recipes.schema import JobConfig
 from recipes.train import worker_preload
 
+OPTIONS: tuple[str, ...] = ()
+"""The `cluster.*` options only this kind reads (others refuse them when set)."""
+COORDINATOR_TIMEOUT_S = 30.0
+"""`ft.coordinator_timeout_s` by default: the launcher restarts a dead coordinator in place within a second."""
+
 
 def check(job: JobConfig) -> None:
     if job.cluster.num_hosts != 1 or job.cluster.spare_hosts:

@@ -38,6 +38,12 @@ SUBNET = "10.213.K"
 `gateway_address` holds the coordinator, the c10d store and torchrun's rendezvous; `host_address` each host's)."""
 
 
+OPTIONS: tuple[str, ...] = ()
+"""The `cluster.*` options only this kind reads (others refuse them when set)."""
+COORDINATOR_TIMEOUT_S = 30.0
+"""`ft.coordinator_timeout_s` by default: the launcher restarts a dead coordinator in place within a second."""
+
+
 def check(job: JobConfig) -> None:
     try:
         check_netns_available()
