@@ -173,6 +173,8 @@ class Agent:
                     self._relay(source, message)
             if self._lease_expired():
                 self._fence_self()
+            elif self._coordinator_silent():
+                self._look_for_coordinator()
             if self._leaving():
                 return self._leave()
 
@@ -239,6 +241,19 @@ class Agent:
         members = [name for name in self.generation.members if name in self.processes]
         silent = now - self.uplink.heard_at > self.job.lease_s and self.uplink.connected.is_set()
         return not self.fenced and bool(members) and silent and now - self.uplink.last_commit_at > self.job.lease_s
+
+    def _coordinator_silent(self) -> bool:
+        """Connected, yet nothing from the coordinator for `host_timeout_s` while this host's workers commit steps:
+        its node is lost (no connection reset comes from a dead node), or it took this host for lost already."""
+        return self.uplink.connected.is_set() and time.monotonic() - self.uplink.heard_at > self.job.host_timeout_s
+
+    def _look_for_coordinator(self) -> None:
+        """Drop the channel and reconnect, reading where the coordinator listens again (a coordinator restarted on
+        another node says so in the run directory); the workers train on meanwhile."""
+        silent_s = time.monotonic() - self.uplink.heard_at
+        print(f"agent {self.host}: no word from the coordinator for {silent_s:.1f} s: looking for it again", flush=True)
+        self.events.emit("coordinator_silent", silent_s=silent_s)
+        self.uplink.cut_off()
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.terminated_at is None:
@@ -364,6 +379,10 @@ class Agent:
             self.events.close()
 
 
+class JobEnded(Exception):
+    """The job this agent was started for has ended (a host task a scheduler started late): exit 0."""
+
+
 def claim_host_name(machine: str, *, run_dir: str | None) -> str:
     """`<machine>-<n>` with the lowest n no agent of this job claimed before (a file made exclusively in
     `<run dir>/agents/`, on storage every host sees); without a run directory, the process id stands for n."""
@@ -422,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         if options.preload:
             start_fork_server(options.preload)  # overlap the imports with joining the coordinator
         agent = _connect(options, secret)
+    except JobEnded as ended:
+        print(f"agent {options.host}: {ended}", flush=True)
+        return 0
     except (ValueError, OSError, ProtocolError) as error:
         print(f"agent {options.host}: {error}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
@@ -433,6 +455,8 @@ def _connect(options, secret: bytes) -> Agent:
     --coordinator-file) has not said where it listens yet; bounded by --connect-timeout-s."""
     deadline, delay = time.monotonic() + options.connect_timeout_s, 0.05
     while True:
+        if options.run_dir and (Path(options.run_dir) / "coordinator" / "outcome.json").exists():
+            raise JobEnded(f"the job in {options.run_dir} has ended: nothing to join")
         try:
             address = options.coordinator or read_coordinator_address(options.coordinator_file)
             if address is None:

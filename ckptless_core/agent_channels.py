@@ -49,6 +49,7 @@ def build_host_job(spec: JobSpec, *, store_address: str, store_port: int) -> Hos
         heartbeat_interval_s=min(0.25, spec.ft.host_timeout_s / 8),
         coordinator_timeout_s=spec.ft.coordinator_timeout_s,
         lease_s=spec.ft.lease_s,
+        host_timeout_s=spec.ft.host_timeout_s,
     )
 
 

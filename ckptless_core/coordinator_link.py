@@ -34,6 +34,10 @@ RESEND_ORDER = ("WorkerStarted", "Ready", "committed", "Progress", "FailureRepor
 """What an agent keeps of each worker (its latest of each) and resends, in this order, to a restarted coordinator."""
 
 
+RECONNECT_ATTEMPT_S = 10.0
+"""The longest one try to reach the coordinator again may take (connect, handshake, its answer)."""
+
+
 def config_sha256(run_dir: str | Path | None) -> str:
     """SHA-256 of the run's `config.yaml`, which every agent and the coordinator must share ('' without one)."""
     path = Path(run_dir) / "config.yaml" if run_dir else None
@@ -168,8 +172,13 @@ class CoordinatorLink:
             if self.address_file is not None:
                 self.address = read_coordinator_address(self.address_file) or self.address
             try:
-                channel = self._connect_once(deadline - time.monotonic())
+                # Each try bounded: an address that went dead with its node (no reset, only silence) must not hold
+                # the agent from the address a restarted coordinator writes meanwhile.
+                attempt_s = min(deadline - time.monotonic(), RECONNECT_ATTEMPT_S)
+                channel = self._connect_once(attempt_s)
+                channel.sock.settimeout(attempt_s)
                 reply = channel.recv()
+                channel.sock.settimeout(None)
             except (OSError, ChannelClosed, ProtocolError):
                 continue
             if isinstance(reply, Refused):

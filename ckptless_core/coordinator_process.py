@@ -62,8 +62,10 @@ def run_coordinator(
     store_listener: socket.socket,
     commands: multiprocessing.connection.Connection,
     requests: multiprocessing.connection.Connection,
+    advertise: str | None = None,
 ) -> None:
-    """A coordinator process: start the job, or resume it from the journal, and serve it until it ends."""
+    """A coordinator process: start the job, or resume it from the journal, and serve it until it ends. `advertise`:
+    the name agents reach it by, said in `coordinator/address` (default: the address it binds)."""
     exit_with(launcher_pid)  # nothing would restart it, nor read its outcome
     log = os.open(run_dir / "logs" / "coordinator.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream in (1, 2):
@@ -79,8 +81,9 @@ def run_coordinator(
     def strike_host(event: FaultEvent, host: str) -> None:
         requests.send_bytes(f"{STRIKE_HOST}{json.dumps({'event': asdict(event), 'host': host})}".encode())
 
+    # Agents and workers reach it (the channel, the store) by the advertised name where there is one.
     coordinator = Coordinator(
-        secret=secret, bind_address=control.getsockname()[0], listener=control, store_socket=store_listener
+        secret=secret, bind_address=advertise or control.getsockname()[0], listener=control, store_socket=store_listener
     )
     write_coordinator_address(run_dir, coordinator.address)
     try:
@@ -125,8 +128,12 @@ class CoordinatorProcess:
     and carries out its requests; the same `start` / `poll` / `wait_for_change` / `request_stop` / `close` /
     `exit_codes` as an in-process `Coordinator`."""
 
-    def __init__(self, *, secret: bytes, bind_address: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, *, secret: bytes, bind_address: str = "127.0.0.1", port: int = 0, advertise: str | None = None
+    ) -> None:
+        """`advertise`: the name agents reach the coordinator by (`coordinator/address`), when not `bind_address`."""
         self.secret = secret
+        self.advertise = advertise
         self.control = socket.create_server((bind_address, port), backlog=128)
         self.store_listener = socket.create_server((bind_address, 0), backlog=1024)
         self.address = (bind_address, self.control.getsockname()[1])
@@ -154,7 +161,7 @@ class CoordinatorProcess:
         self.process = self.context.Process(
             target=run_coordinator,
             args=(self.spec.run_dir, self.secret, os.getpid(), self.control, self.store_listener),
-            kwargs={"commands": self._commands_r, "requests": self._requests_w},
+            kwargs={"commands": self._commands_r, "requests": self._requests_w, "advertise": self.advertise},
             name="ckptless-coordinator",
         )
         self.process.start()  # (it ignores SIGINT and SIGTERM: the launcher decides how the job stops)

@@ -93,6 +93,9 @@ class HostJob:
     """How long the agent keeps its workers without a coordinator before it stops them and exits."""
     lease_s: float = 1.5
     """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
+    host_timeout_s: float = 2.0
+    """Silence after which the coordinator takes a host for lost; an agent that hears nothing from the coordinator
+    this long while its workers commit takes the coordinator for lost and looks for it again (`agent`)."""
 
 
 @dataclass(frozen=True)

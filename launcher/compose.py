@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
-from launcher.clusters import KINDS, cluster_kind
+from launcher.clusters import KINDS, cluster_kind, is_scheduled
 from launcher.errors import ConfigError
 from recipes.data.sources import check_data_config
 from recipes.schema import ClusterConfig, JobConfig, OptimConfig
@@ -60,6 +60,8 @@ def compose_job(overrides: list[str]) -> ComposedJob:
     if job.ft.coordinator_timeout_s is None:
         job.ft.coordinator_timeout_s = kind.COORDINATOR_TIMEOUT_S
     validate(job)
+    if is_scheduled(job.cluster.kind) and not job.dry_run:
+        kind.check_submission(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
 
 

@@ -8,28 +8,27 @@ The one place that picks the ckptless coordinator or, for `ft=checkpoint_restart
 
 from __future__ import annotations
 
+import json
 import signal
-import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from ckptless_core.coordinator_link import config_sha256
 from ckptless_core.coordinator_process import CoordinatorProcess
-from ckptless_core.events import read_events
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
-from launcher.clusters import Runner, cluster_kind
-from launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_TRAINING_CODE_ERROR
-from launcher.goodput import report_from_events
+from launcher.clusters import Runner, cluster_kind, is_scheduled
+from launcher.follow import follow
+from launcher.outcome import goodput_report, report_outcome
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
-from launcher.report import short_form
-from launcher.summary import build_summary, describe_recoveries, write_summary
-from launcher.torchrun import TorchrunJob
+from launcher.summary import build_summary, write_summary
 from recipes.schema import JobConfig
 from recipes.train import worker_preload
 
 ENTRY = "recipes.train:main"
+LAUNCH_RECORD = "launch.json"
 
 
 def uses_torchrun(job: JobConfig) -> bool:
@@ -53,28 +52,46 @@ def worker_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
 
 def run_job(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, warm: CoordinatorProcess | None) -> int:
     """Run the job to its end on its cluster kind (`warm`: what `warm_up_workers` started) and report; the exit
-    code."""
+    code. A scheduler's kind (`slurm`, `k8s`) is submitted instead: the job serves itself where it is placed
+    (`launcher.coordinate`)."""
     kind = cluster_kind(job.cluster.kind)
+    write_launch_record(run_dir, recipe=recipe, started_at=started_at)
+    if is_scheduled(job.cluster.kind):
+        submitted = kind.submit(job, run_dir=run_dir, recipe=recipe)
+        return follow(job, run_dir=run_dir) if submitted is None else submitted
     threads = threads_per_worker(job)
-    runner: TorchrunJob | CoordinatorProcess
     if uses_torchrun(job):
         runner = kind.torchrun(job, run_dir=run_dir, threads_per_worker=threads)
         start = runner.start
     else:
         runner = kind.coordinator(job, run_dir=run_dir, warm=warm)
         start = partial(runner.start, job_spec(job, run_dir=run_dir, threads=threads))
+    serve_job(job, runner, start, run_dir=run_dir, recipe=recipe, started_at=started_at, threads=threads)
+    return report_outcome(job, run_dir=run_dir)
+
+
+def serve_job(
+    job: JobConfig,
+    runner: Runner,
+    start: Callable[[], None],
+    *,
+    run_dir: Path,
+    recipe: str,
+    started_at: float,
+    threads: int,
+) -> dict:
+    """Where the job's coordinator runs (the launcher, or the coordinator a scheduler placed): start it, follow it
+    with progress on the console, stop it cleanly on Ctrl-C or SIGTERM, and write `summary.json` once it ended."""
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
     # Both stop the job cleanly, whatever this process inherited: a launcher started in the background of a script
     # inherits SIGINT ignored, and a scheduler's or a user's `kill -INT` must still stop it (as torchrun's agent does).
     previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
-    interrupted = False
     try:
         start()
         outcome = _watch(runner, progress)
     except KeyboardInterrupt:
-        interrupted = True
         outcome = _stop_cleanly(runner, progress, grace_s=job.cluster.collective_timeout_s)
     finally:
         runner.close()
@@ -92,28 +109,19 @@ def run_job(job: JobConfig, *, run_dir: Path, recipe: str, started_at: float, wa
         threads_per_worker=threads,
     )
     if summary["steps"]:
-        report = report_from_events(
-            read_events(run_dir / "events"),
-            mode=job.ft.mode,
-            world_size=job.cluster.nproc,
-            spares=job.ft.spares if job.ft.mode == "ckptless" else 0,
-        )
-        summary["goodput"] = report["goodput"]
+        summary["goodput"] = goodput_report(job, run_dir)["goodput"]
     write_summary(run_dir, summary)
-    for line in describe_recoveries(summary):
-        print(line)
-    if outcome.error:
-        print(outcome.error, file=sys.stderr, end="" if outcome.error.endswith("\n") else "\n", flush=True)
-    if summary["steps"]:
-        print(short_form(report) + f" (details: python -m launcher.report {run_dir})")
-    print(_one_line(summary, run_dir), flush=True)
-    if interrupted:
-        return EXIT_INTERRUPTED
-    if outcome.reason == "no_progress":
-        return EXIT_NO_PROGRESS
-    if outcome.reason == "training_code_error":
-        return EXIT_TRAINING_CODE_ERROR
-    return EXIT_OK if summary["status"] == "completed" else EXIT_JOB_FAILED
+    return summary
+
+
+def write_launch_record(run_dir: Path, *, recipe: str, started_at: float) -> None:
+    """`<run dir>/launch.json`: what the summary names that the config does not (the recipe, when the launch
+    began), for whatever serves the job, here or where a scheduler placed it."""
+    (run_dir / LAUNCH_RECORD).write_text(json.dumps({"recipe": recipe, "started_at": started_at}) + "\n")
+
+
+def read_launch_record(run_dir: Path) -> dict:
+    return json.loads((run_dir / LAUNCH_RECORD).read_text())
 
 
 def job_spec(job: JobConfig, *, run_dir: Path, threads: int) -> JobSpec:
@@ -176,17 +184,6 @@ def _stop_cleanly(runner: Runner, progress: ConsoleProgress, *, grace_s: float) 
     if outcome is None or not outcome.ok:
         message += "; workers did not stop cleanly and were terminated"
     return JobOutcome(ok=False, exit_codes={}, message=message, reason="stopped")
-
-
-def _one_line(summary: dict, run_dir: Path) -> str:
-    if summary["status"] == "completed":
-        return (
-            f"completed {summary['steps']} steps in {summary['wall_s']:.1f} s, final loss {summary['final_loss']:.4f}, "
-            f"param_sha256 {summary['param_sha256'][:16]}..., outputs in {run_dir}"
-        )
-    if summary["status"] == "stopped":
-        return f"stopped after step {summary['steps']}: {summary['message']}; outputs in {run_dir}"
-    return f"FAILED: {summary['message']}; see {run_dir}/logs/ and {run_dir}/summary.json"
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -25,6 +25,9 @@ RUN_OUTPUTS = (
     "coordinator",
     "control.secret",
     "agents",
+    "launch.json",
+    "slurm",
+    "k8s",
 )
 """What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
 go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to

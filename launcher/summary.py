@@ -38,6 +38,7 @@ def build_summary(
     final = next(iter(ends.values()), None) or (committed[-1] if committed else {})
     return {
         "status": status,
+        "reason": outcome.reason,
         "message": message,
         "error": outcome.error,
         "recipe": recipe,
@@ -306,6 +307,10 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _version(package: str) -> str | None:

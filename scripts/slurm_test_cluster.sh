@@ -190,7 +190,11 @@ write_config() {
 		echo "ReturnToService=2"
 		echo "SlurmdTimeout=10"
 		echo "InactiveLimit=0"
-		echo "KillWait=2"
+		# Slurm's default: a cancelled job's processes have 30 s between SIGTERM and SIGKILL to stop cleanly.
+		echo "KillWait=30"
+		# A requeued job waits this long before it may start again (default 120 s): a lost coordinator's job is back
+		# after SlurmdTimeout + this.
+		echo "AuthInfo=cred_expire=10"
 		# Finished jobs stay visible to `scontrol show job` for 5 minutes (there is no accounting to ask).
 		echo "MinJobAge=300"
 		# Start batch jobs at the next scheduler pass (about 1 s), not after the default 3 s delay.

@@ -69,6 +69,15 @@ class ClusterKind(Protocol):
 KINDS: dict[str, ClusterKind] = {"local": local, "netns": netns, "hosts": hosts, "slurm": slurm, "k8s": k8s}
 
 
+SCHEDULED = ("slurm", "k8s")
+"""Kinds whose scheduler places the job (`submit`): the job serves itself there (`launcher.coordinate`), this
+launcher only submits it (and follows it, where the scheduler lets it)."""
+
+
+def is_scheduled(name: str) -> bool:
+    return name in SCHEDULED
+
+
 def cluster_kind(name: str) -> ClusterKind:
     """The module of `cluster.kind`; an unknown kind is refused with the list of known ones."""
     if name not in KINDS:
