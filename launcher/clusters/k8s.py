@@ -150,13 +150,19 @@ def release(run_dir: Path) -> None:
 
 
 def worker_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
-    """The dry run's lines: the manifests `submit` would write, as one multi-document YAML (a placeholder for the
-    secret); nothing is written."""
+    """Where the pods run. The dry run shows the manifests `submit` would write, as one multi-document YAML (a
+    placeholder for the secret), and writes nothing; a submission writes them, so its plan only names them."""
+    cluster = job.cluster
     header = [
-        f"# cluster=k8s: submitting writes these manifests into {run_dir / MANIFESTS_DIR}/ and prints",
-        f"# `kubectl apply -f {run_dir / MANIFESTS_DIR}`; the pods' run directory is {pods_run_dir(job, run_dir)}",
-        f"# on PersistentVolumeClaim {job.cluster.volume}. Needs JobSet {JOBSET_RELEASE}+ with feature gate RestartJob.",
+        f"# JobSet {jobset_name(run_dir)} (namespace {cluster.namespace}): a coordinator pod and "
+        f"{cluster.num_hosts + cluster.spare_hosts} agent pods, one per host ({cluster.spare_hosts} spare), image "
+        f"{cluster.image}; the pods' run directory is {pods_run_dir(job, run_dir)} on PersistentVolumeClaim "
+        f"{cluster.volume}; needs JobSet {JOBSET_RELEASE}+ with feature gate RestartJob",
+        f"# the manifests {'a submission writes into' if job.dry_run else 'are written into'} "
+        f"{run_dir / MANIFESTS_DIR}/, for `kubectl apply -f {run_dir / MANIFESTS_DIR}`",
     ]
+    if not job.dry_run:
+        return header
     return header + render(manifests(job, run_dir=run_dir, secret=None)).splitlines()
 
 

@@ -368,6 +368,8 @@ def test_a_dry_run_through_the_cli_prints_the_documents_with_every_option_at_its
 def test_submit_writes_the_manifests_with_a_fresh_secret_and_prints_how_to_apply_them(tmp_path, capsys):
     job = compose("dry_run=false")
     run_dir = tmp_path / "run"
+    plan = "\n".join(k8s.worker_lines(job, run_dir=run_dir))  # a submission's plan names the files it writes
+    assert f"are written into {run_dir / 'k8s'}/" in plan and "---" not in plan and not run_dir.exists()
     secrets = []
     for _ in range(2):
         assert k8s.submit(job, run_dir=run_dir, recipe="tiny_llama") == 0
