@@ -145,6 +145,10 @@ def torchrun_lines(job: JobConfig, *, run_dir: Path) -> list[str]:
     raise ConfigError("ft=checkpoint_restart does not run on cluster=k8s")  # (`check` refused it already)
 
 
+def while_running(job: JobConfig, *, run_dir: Path) -> None:
+    """In the coordinator's pod, while the job runs: nothing to do (the JobSet recreates a lost host's Job itself)."""
+
+
 def release(run_dir: Path) -> None:
     """The job ended: nothing to release (the JobSet's success or failure policy ends the agents' pods)."""
 
