@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ckptless_core.channel import Channel, accept_channel, read_secret
 from ckptless_core.coordinator_address import parse_address, read_coordinator_address
-from ckptless_core.coordinator_link import CoordinatorLink
+from ckptless_core.coordinator_link import RECONNECT_ATTEMPT_S, CoordinatorLink
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
     WORKER_REPORTS,
@@ -451,8 +451,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _connect(options, secret: bytes) -> Agent:
-    """Join the coordinator, retrying with backoff while it is not up yet, not answering yet, or (with
-    --coordinator-file) has not said where it listens yet; bounded by --connect-timeout-s."""
+    """Join the coordinator, retrying with backoff while it is not up yet, not answering yet, not reachable (its
+    node lost, its successor not started yet), or (with --coordinator-file) has not said where it listens yet;
+    bounded by --connect-timeout-s."""
     deadline, delay = time.monotonic() + options.connect_timeout_s, 0.05
     while True:
         if options.run_dir and (Path(options.run_dir) / "coordinator" / "outcome.json").exists():
@@ -467,10 +468,10 @@ def _connect(options, secret: bytes) -> Agent:
                 secret=secret,
                 run_dir=options.run_dir,
                 ifname=options.ifname,
-                connect_timeout_s=deadline - time.monotonic(),
+                connect_timeout_s=min(deadline - time.monotonic(), RECONNECT_ATTEMPT_S),
                 address_file=options.coordinator_file,
             )
-        except (ConnectionRefusedError, TimeoutError):
+        except OSError:  # refused, timed out, no route (a coordinator's node lost, its successor not up yet)
             if time.monotonic() + delay > deadline:
                 raise
             time.sleep(delay)

@@ -91,11 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"coordinator of {run_dir} listening on {runner.address[0]}:{runner.address[1]}", flush=True)
     threads = threads_per_worker(job)
     start = partial(runner.start, job_spec(job, run_dir=run_dir, threads=threads))
+    kind = cluster_kind(job.cluster.kind) if is_scheduled(job.cluster.kind) else None
     summary = serve_job(
-        job, runner, start, run_dir=run_dir, recipe=launch["recipe"], started_at=launch["started_at"], threads=threads
+        job,
+        runner,
+        start,
+        run_dir=run_dir,
+        recipe=launch["recipe"],
+        started_at=launch["started_at"],
+        threads=threads,
+        while_running=partial(kind.while_running, job, run_dir=run_dir) if kind else None,
     )
-    if is_scheduled(job.cluster.kind):
-        cluster_kind(job.cluster.kind).release(run_dir)
+    if kind is not None:
+        kind.release(run_dir)
     print(f"{summary['status']} after step {summary['steps']}: {summary['message']}", flush=True)
     return exit_code(summary)
 

@@ -79,9 +79,11 @@ def serve_job(
     recipe: str,
     started_at: float,
     threads: int,
+    while_running: Callable[[], None] | None = None,
 ) -> dict:
     """Where the job's coordinator runs (the launcher, or the coordinator a scheduler placed): start it, follow it
-    with progress on the console, stop it cleanly on Ctrl-C or SIGTERM, and write `summary.json` once it ended."""
+    with progress on the console, stop it cleanly on Ctrl-C or SIGTERM, and write `summary.json` once it ended.
+    `while_running`: called about once a second meanwhile (a scheduler's kind replaces lost hosts)."""
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
@@ -90,7 +92,7 @@ def serve_job(
     previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         start()
-        outcome = _watch(runner, progress)
+        outcome = _watch(runner, progress, while_running=while_running)
     except KeyboardInterrupt:
         outcome = _stop_cleanly(runner, progress, grace_s=job.cluster.collective_timeout_s)
     finally:
@@ -164,9 +166,19 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
     )
 
 
-def _watch(runner: Runner, progress: ConsoleProgress, *, deadline: float = float("inf")) -> JobOutcome | None:
+def _watch(
+    runner: Runner,
+    progress: ConsoleProgress,
+    *,
+    deadline: float = float("inf"),
+    while_running: Callable[[], None] | None = None,
+) -> JobOutcome | None:
+    tended_at = time.monotonic()
     while (outcome := runner.poll()) is None and time.monotonic() < deadline:
         progress.update()
+        if while_running is not None and time.monotonic() - tended_at > 1.0:
+            tended_at = time.monotonic()
+            while_running()
         runner.wait_for_change(0.05)
     return outcome
 

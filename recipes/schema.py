@@ -181,9 +181,9 @@ class ClusterConfig:
     srun_prefix: str = "srun --ntasks=1"
     """`slurm`: what starts each process in its allocation; a container wrapper goes here, e.g. `srun --ntasks=1
     --container-image=nvcr.io#nvidia/pytorch:25.01-py3` (pyxis) or `srun --ntasks=1 apptainer exec img.sif`."""
-    queued_hosts: int = 2
-    """`slurm`: host tasks queued behind the running ones (`--array=0-K%M`): each starts when a host's task ends
-    (a lost node, a host that left) and joins as a spare host. Cancelled when the job ends."""
+    host_replacements: int = 4
+    """`slurm`: a host lost (or leaving) is replaced by submitting one more host task at once, which joins as a spare
+    host; at most this many per job (0: none). Those still queued when the job ends are cancelled."""
     detach: bool = False
     """`slurm`: return right after submitting (the job runs on; `python -m launcher.follow <run dir>` follows it)."""
     shared_run_dir_ok: bool = False

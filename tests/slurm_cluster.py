@@ -22,7 +22,8 @@ STATE_DIR = Path("/run/cks-slurm")
 """Where the script keeps slurm.conf, logs and the `nodes` table (name address netns veth)."""
 NAME_PREFIX = "cks-"
 """Every namespace and link the script makes starts with this."""
-NUM_NODES = 4
+NUM_NODES = 8
+"""Nodes powered off stay down: enough for every test of the session (test_slurm_jobs loses three)."""
 UNAVAILABLE = 3
 """The script's exit status when this machine cannot host a cluster."""
 ALREADY_UP = 4
@@ -161,7 +162,7 @@ def _leftovers(*, netns_inodes: set[int], daemon_pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """slurmctld plus 4 slurmd (node1..node4), each node in its own network namespace; all idle when yielded."""
+    """slurmctld plus NUM_NODES slurmd (node1..node8), each node in its own network namespace; all idle when yielded."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)

@@ -4,10 +4,11 @@
   is lost, Slurm requeues it (on another node, under the same job id) once it marks the node down, and it resumes
   from its journal; agents find its new address in `coordinator/address`, their workers train on meanwhile (steps
   need no coordinator). `scancel` of it, or Slurm's time-limit warning (`--signal`), stops the job cleanly.
-- **the hosts**, one job array with a task per host (`--array=0-K%M`, `--no-requeue`, a whole node each), running a
-  node agent: a lost node ends only its own task. `M` = training hosts + spare hosts run at once; the
-  `cluster.queued_hosts` tasks queued behind them start when a running one ends (its node lost, its host left) and
-  join as spare hosts, so a spare used up comes back. A requeued host would bring back stale state: never.
+- **the hosts**, one job array with a task per host (`--no-requeue`, a whole node each), running a node agent: a
+  lost node ends only its own task. When a host is lost (or leaves), the coordinator's job submits one more host
+  task at once (`cluster.host_replacements` per job at most), which joins as a spare host: a spare used up comes back
+  as soon as Slurm has a node, not after Slurm marks the lost node down (a task queued behind the array's would
+  wait for that: `SlurmdTimeout`, 300 s by default). A requeued host would bring back stale state: never.
 
 Why a requeue and not a standby coordinator: a standby taking over from a lease on shared storage would need
 fencing against a primary that is only partitioned (it would still write the journal); Slurm runs one instance of a
@@ -34,6 +35,7 @@ from pathlib import Path
 from ckptless_core.channel import new_secret, write_secret_file
 from ckptless_core.coordinator_address import coordinator_address_path
 from ckptless_core.coordinator_process import CoordinatorProcess
+from ckptless_core.journal import journal_path, read_journal
 from launcher.clusters.hosts import SECRET_FILE
 from launcher.errors import EXIT_JOB_FAILED, ConfigError
 from launcher.torchrun import TorchrunJob
@@ -49,7 +51,7 @@ OPTIONS: tuple[str, ...] = (
     "time_warning_s",
     "sbatch_args",
     "srun_prefix",
-    "queued_hosts",
+    "host_replacements",
     "detach",
     "shared_run_dir_ok",
 )
@@ -74,8 +76,8 @@ def check(job: JobConfig) -> None:
     cluster = job.cluster
     if job.ft.mode == "checkpoint_restart":
         raise ConfigError(NO_TORCHRUN)
-    if cluster.queued_hosts < 0 or cluster.time_warning_s <= 0:
-        raise ConfigError("cluster.queued_hosts must be 0 or more and cluster.time_warning_s positive")
+    if cluster.host_replacements < 0 or cluster.time_warning_s <= 0:
+        raise ConfigError("cluster.host_replacements must be 0 or more and cluster.time_warning_s positive")
     run_dir = Path(job.run.dir or os.getcwd()).expanduser().absolute()
     local = next((root for root in NODE_LOCAL if run_dir == root or root in run_dir.parents), None)
     if local is not None and not cluster.shared_run_dir_ok:
@@ -163,7 +165,6 @@ def hosts_script(job: JobConfig, *, run_dir: Path) -> str:
     """The hosts' batch script: a job array, one node and one node agent per task, never requeued."""
     cluster = job.cluster
     running = cluster.num_hosts + cluster.spare_hosts
-    total = running + cluster.queued_hosts
     command = [
         *_python(job),
         "-m",
@@ -182,7 +183,7 @@ def hosts_script(job: JobConfig, *, run_dir: Path) -> str:
     command += ["--preload", *worker_preload(job)]
     directives = [
         f"--job-name={_job_name(run_dir)}-hosts",
-        f"--array=0-{total - 1}%{running}",
+        f"--array=0-{running - 1}",
         "--nodes=1",
         "--ntasks=1",
         "--exclusive",
@@ -193,8 +194,8 @@ def hosts_script(job: JobConfig, *, run_dir: Path) -> str:
         directives.append(f"--gpus-per-node={slots_per_host(job)}")
     return _script(
         job,
-        f"{running} node agents at once ({cluster.num_hosts} training, {cluster.spare_hosts} spare), "
-        f"{cluster.queued_hosts} queued to replace lost ones",
+        f"{running} node agents ({cluster.num_hosts} training, {cluster.spare_hosts} spare); a lost host's "
+        "replacement is this script again as one task (sbatch --array=<next index>)",
         directives,
         command,
     )
@@ -228,7 +229,7 @@ def submit(job: JobConfig, *, run_dir: Path, recipe: str) -> int | None:
             print(f"FAILED: sbatch {path}: {submitted.stderr.strip()}", file=sys.stderr, flush=True)
             return EXIT_JOB_FAILED
         jobs[name] = submitted.stdout.strip().split(";")[0]
-    (folder / "jobs.json").write_text(json.dumps(jobs) + "\n")
+    _write_job_ids(run_dir, {"coordinator": jobs["coordinator"], "hosts": [jobs["hosts"]]})
     print(SUBMITTED.format(**jobs), flush=True)
     print(
         f"follow: python -m launcher.follow {run_dir}\ncancel (stops cleanly at a step boundary): "
@@ -238,8 +239,37 @@ def submit(job: JobConfig, *, run_dir: Path, recipe: str) -> int | None:
     return 0 if job.cluster.detach else None
 
 
-def job_ids(run_dir: Path) -> dict[str, str]:
+def job_ids(run_dir: Path) -> dict:
+    """`coordinator`: its job id; `hosts`: the hosts' job ids, the array first, then each replacement's."""
     return json.loads((run_dir / SCRIPTS / "jobs.json").read_text())
+
+
+def _write_job_ids(run_dir: Path, jobs: dict) -> None:
+    partial = run_dir / SCRIPTS / "jobs.json.partial"
+    partial.write_text(json.dumps(jobs) + "\n")
+    os.replace(partial, run_dir / SCRIPTS / "jobs.json")
+
+
+def while_running(job: JobConfig, *, run_dir: Path) -> None:
+    """In the coordinator's job, about once a second: one new host task per host the journal says was lost, up to
+    `cluster.host_replacements` (the count survives a requeue of the coordinator: the job ids are kept)."""
+    lost = sum(1 for record in read_journal(journal_path(run_dir)) if record["op"] == "host_lost")
+    jobs = job_ids(run_dir)
+    first = job.cluster.num_hosts + job.cluster.spare_hosts
+    while len(jobs["hosts"]) - 1 < min(lost, job.cluster.host_replacements):
+        index = first + len(jobs["hosts"]) - 1
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", f"--array={index}", str(run_dir / SCRIPTS / "hosts.sbatch")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if submitted.returncode != 0:
+            print(f"could not submit a replacement host: {submitted.stderr.strip()}", file=sys.stderr, flush=True)
+            return
+        jobs["hosts"].append(submitted.stdout.strip().split(";")[0])
+        _write_job_ids(run_dir, jobs)
+        print(f"a host was lost: replacement host task submitted (job {jobs['hosts'][-1]}_{index})", flush=True)
 
 
 def cancel_command(run_dir: Path) -> str:
@@ -264,7 +294,7 @@ def job_state(run_dir: Path) -> str | None:
 def release(run_dir: Path) -> None:
     """The job ended: host tasks still queued are cancelled (the running ones end with the job)."""
     subprocess.run(
-        ["scancel", "--state=PENDING", job_ids(run_dir)["hosts"]], capture_output=True, text=True, timeout=60
+        ["scancel", "--state=PENDING", *job_ids(run_dir)["hosts"]], capture_output=True, text=True, timeout=60
     )
 
 

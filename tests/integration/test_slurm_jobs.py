@@ -1,0 +1,199 @@
+"""`cluster=slurm` on a real Slurm cluster (slurmctld and one slurmd per network namespace, `tests.slurm_cluster`):
+submitted as a user would, nodes powered off from outside (link cut, every process on the node killed), the job
+cancelled with scancel, and bad input refused before anything is submitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptless_core.events import read_events
+from tests.conftest import OFFLINE, read_summary
+
+pytest_plugins = ["tests.slurm_cluster"]
+
+STEPS = 200
+"""Long enough for a replacement host to start and join and the coordinator's node to be lost while training still
+runs (the job may end while the coordinator's job waits for Slurm to requeue it)."""
+EVENT_TIMEOUT_S = 150.0
+SLURM = ("cluster=slurm", "cluster.backend=gloo", "cluster.shared_run_dir_ok=true")
+"""The test cluster's nodes share this machine's /tmp, where pytest's directories are."""
+
+
+def start_launcher(token_cache: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
+    env = {**env, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", "recipe=tiny_llama", *SLURM, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for(what: str, predicate, *, timeout_s: float = EVENT_TIMEOUT_S, launcher: subprocess.Popen | None = None):
+    """Poll `predicate` (a look at the run directory) until it returns something true; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        if launcher is not None and launcher.poll() is not None:
+            pytest.fail(
+                f"the launcher exited ({launcher.returncode}) while waiting for {what}:\n{launcher.stdout.read()}"
+            )
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return found
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in read_events(run_dir / "events") if e["event"] == name]
+
+
+def admitted(run_dir: Path) -> set[str]:
+    """The hosts the coordinator admitted so far."""
+    return {e["host"] for e in events(run_dir, "agent_joined") if e["worker"] == "coordinator"}
+
+
+def committed_step(run_dir: Path) -> int:
+    return max((e["step"] for e in events(run_dir, "step_committed")), default=0)
+
+
+def node_of(host: str) -> str:
+    """`node3-1` (an agent's host name) runs on node3."""
+    return host.rsplit("-", 1)[0]
+
+
+def coordinator_node(slurm_cluster, run_dir: Path) -> str:
+    job_id = json.loads((run_dir / "slurm" / "jobs.json").read_text())["coordinator"]
+    shown = slurm_cluster.run("scontrol", "--oneliner", "show", "job", job_id).stdout
+    return next(word.split("=", 1)[1] for word in shown.split() if word.startswith("NodeList="))
+
+
+@pytest.fixture(scope="module")
+def reference(launch, tmp_path_factory) -> str:
+    """The fault-free `param_sha256` of STEPS steps on two ranks (where they run does not change it)."""
+    run_dir = tmp_path_factory.mktemp("slurm-reference")
+    done = launch(
+        "recipe=tiny_llama", "cluster.nproc=2", "ft.spares=0", f"trainer.max_steps={STEPS}", f"run.dir={run_dir}"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return read_summary(run_dir)["param_sha256"]
+
+
+def test_bad_input_submits_nothing(slurm_cluster, launch, tmp_path, monkeypatch):
+    """No sbatch on PATH, or a partition Slurm does not have: exit 2 with what to do (Slurm's own words for the
+    partition), nothing written and no job in the queue."""
+    path = os.environ["PATH"].split(os.pathsep)
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in path if not Path(p, "sbatch").exists()))
+    missing = launch("recipe=tiny_llama", *SLURM, f"run.dir={tmp_path / 'a'}")
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "sbatch, which is not on PATH" in missing.stderr and "dry_run=true" in missing.stderr
+
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    wrong = launch("recipe=tiny_llama", *SLURM, "cluster.partition=nosuch", f"run.dir={tmp_path / 'b'}")
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr
+    assert "invalid partition" in wrong.stderr.lower() and "nothing was submitted" in wrong.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert slurm_cluster.run("squeue", "--noheader").stdout.strip() == ""
+
+
+def test_detached_job_followed_then_cancelled_stops_cleanly(slurm_cluster, token_cache, tmp_path):
+    """`cluster.detach=true` returns once submitted; `launcher.follow` follows it, and Ctrl-C stops only the
+    following; `scancel` of the job stops it at a step boundary with a final checkpoint: status `stopped`, exit 130
+    for whoever follows, every host task ended."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, **slurm_cluster.env}
+    submit = start_launcher(
+        token_cache,
+        env,
+        "cluster.detach=true",
+        "trainer.max_steps=100000",
+        "ft.checkpoint_every=20",
+        f"run.dir={run_dir}",
+    )
+    out, _ = submit.communicate(timeout=120)
+    assert submit.returncode == 0, out
+    assert "submitted: coordinator job" in out and f"python -m launcher.follow {run_dir}" in out, out
+
+    follow_env = {**env, **OFFLINE, "PYTHONUNBUFFERED": "1"}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "launcher.follow", str(run_dir)],
+        env=follow_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for("step 30", lambda: committed_step(run_dir) >= 30, launcher=follower)
+    follower.send_signal(signal.SIGINT)
+    out, _ = follower.communicate(timeout=30)
+    assert follower.returncode == 130, out
+    assert "the job runs on" in out and "scancel" in out, out
+
+    step_at_cancel = committed_step(run_dir)
+    coordinator = json.loads((run_dir / "slurm" / "jobs.json").read_text())["coordinator"]
+    assert slurm_cluster.run("scancel", coordinator).returncode == 0
+    followed = subprocess.run(
+        [sys.executable, "-m", "launcher.follow", str(run_dir)],
+        env=follow_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert followed.returncode == 130, followed.stdout + followed.stderr
+    summary = read_summary(run_dir)
+    assert summary["status"] == "stopped", summary
+    assert summary["steps"] >= step_at_cancel
+    assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}").is_dir(), sorted(
+        os.listdir(run_dir / "checkpoints")
+    )
+    hosts = ",".join(json.loads((run_dir / "slurm" / "jobs.json").read_text())["hosts"])
+    wait_for(
+        "the hosts' tasks ended", lambda: slurm_cluster.run("squeue", "--noheader", "-j", hosts).stdout.strip() == ""
+    )
+
+
+def test_nodes_lost_mid_run_cost_only_their_host(slurm_cluster, token_cache, reference, tmp_path):
+    """Two training nodes and the coordinator's node powered off in turn: the first lost host's ranks go to the spare
+    host; the host task the coordinator's job submits in its place joins as a spare host and takes the second lost
+    host's ranks; the coordinator's job, requeued by Slurm on another node, resumes from its journal and finds every agent
+    (its new address in the run directory). The job completes with the fault-free parameters."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, **slurm_cluster.env}
+    launcher = start_launcher(
+        token_cache,
+        env,
+        "cluster.spare_hosts=1",
+        "cluster.host_replacements=1",
+        f"trainer.max_steps={STEPS}",
+        f"run.dir={run_dir}",
+    )
+    first_hosts = sorted(wait_for("3 agents", lambda: len(admitted(run_dir)) >= 3 and admitted(run_dir)))
+    first, second, spare = first_hosts  # the coordinator trains on the first two names, sorted
+    wait_for("step 10", lambda: committed_step(run_dir) >= 10, launcher=launcher)
+    slurm_cluster.power_off(node_of(first))
+    wait_for("the first recovery", lambda: events(run_dir, "generation_started")[1:], launcher=launcher)
+
+    (replacement,) = wait_for("a replacement host", lambda: admitted(run_dir) - set(first_hosts), launcher=launcher)
+    slurm_cluster.power_off(node_of(second))
+    wait_for("the second recovery", lambda: events(run_dir, "generation_started")[2:], launcher=launcher)
+    slurm_cluster.power_off(coordinator_node(slurm_cluster, run_dir))
+    out, _ = launcher.communicate(timeout=EVENT_TIMEOUT_S + 60)
+
+    assert launcher.returncode == 0, out
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == reference, out
+    lost = [f for f in summary["failures"] if f["kind"] == "host_lost"]
+    assert {node_of(f["detail"].split()[1]) for f in lost} == {node_of(first), node_of(second)}, summary["failures"]
+    assert all(r["completed"] for r in summary["recoveries"]), summary["recoveries"]
+    assert all(r["detect_s"] >= 2.0 - 0.3 for r in summary["recoveries"]), summary["recoveries"]  # ft.host_timeout_s
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["completed"], restart
+    assert node_of(replacement) not in {node_of(first), node_of(second), node_of(spare)}
