@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from launcher import PROCESS_STARTED_AT
+from launcher.clusters import cluster_kind, is_scheduled
 from launcher.compose import available_options, compose_job, recipe_launch_line
 from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 from launcher.plan import build_plan, check_fits, format_plan
@@ -57,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(job, plan, recipe=composed.recipe, run_dir=run_dir, workers=workers))
             print("dry run: nothing was started or written")
             return EXIT_OK
-        check_fits(job, plan)
+        if not is_scheduled(job.cluster.kind) or job.cluster.memory_limit_gib is not None:
+            check_fits(job, plan)  # (a scheduler places the job on its nodes, not on this machine)
         check_run_dir(run_dir, overwrite=job.run.overwrite, resume=job.resume)
+        if is_scheduled(job.cluster.kind):
+            cluster_kind(job.cluster.kind).check_submission(job)  # (Slurm checks the jobs; nothing submitted yet)
         prepare(job)
     except ValueError as error:  # ConfigError, and the recipe's checks (data, tokenizer, model fields)
         if cluster is not None:

@@ -60,8 +60,6 @@ def compose_job(overrides: list[str]) -> ComposedJob:
     if job.ft.coordinator_timeout_s is None:
         job.ft.coordinator_timeout_s = kind.COORDINATOR_TIMEOUT_S
     validate(job)
-    if is_scheduled(job.cluster.kind) and not job.dry_run:
-        kind.check_submission(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
 
 
@@ -132,7 +130,7 @@ def validate(job: JobConfig) -> None:
         raise ConfigError(f"trainer.precision={trainer.precision!r}: choose one of {list(VALID_PRECISIONS)}")
     if cluster.backend not in VALID_BACKENDS:
         raise ConfigError(f"cluster.backend={cluster.backend!r}: choose one of {list(VALID_BACKENDS)}")
-    if cluster.backend == "nccl" and not _cuda_available():
+    if cluster.backend == "nccl" and not is_scheduled(cluster.kind) and not _cuda_available():
         raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks; use cluster.backend=gloo")
     if job.trainer.compile and not any(map(shutil.which, ("cc", "gcc", "c++"))):
         raise ConfigError(

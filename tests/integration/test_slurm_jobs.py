@@ -76,18 +76,38 @@ def coordinator_node(slurm_cluster, run_dir: Path) -> str:
     return next(word.split("=", 1)[1] for word in shown.split() if word.startswith("NodeList="))
 
 
+class Reference:
+    """The fault-free `param_sha256` of STEPS steps on two ranks (where they run does not change it), computed in
+    the background from the module's first test on: it overlaps the Slurm jobs' waits for Slurm."""
+
+    def __init__(self, token_cache: Path, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache)}
+        args = ["recipe=tiny_llama", "cluster.nproc=2", "ft.spares=0", f"trainer.max_steps={STEPS}"]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "launcher", *args, f"run.dir={run_dir}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def param_sha256(self) -> str:
+        out, _ = self.process.communicate(timeout=600)
+        assert self.process.returncode == 0, out
+        return read_summary(self.run_dir)["param_sha256"]
+
+
 @pytest.fixture(scope="module")
-def reference(launch, tmp_path_factory) -> str:
-    """The fault-free `param_sha256` of STEPS steps on two ranks (where they run does not change it)."""
-    run_dir = tmp_path_factory.mktemp("slurm-reference")
-    done = launch(
-        "recipe=tiny_llama", "cluster.nproc=2", "ft.spares=0", f"trainer.max_steps={STEPS}", f"run.dir={run_dir}"
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return read_summary(run_dir)["param_sha256"]
+def reference(token_cache, tmp_path_factory):
+    reference = Reference(token_cache, tmp_path_factory.mktemp("slurm-reference") / "run")
+    yield reference
+    if reference.process.poll() is None:
+        reference.process.kill()
+        reference.process.communicate()
 
 
-def test_bad_input_submits_nothing(slurm_cluster, launch, tmp_path, monkeypatch):
+def test_bad_input_submits_nothing(slurm_cluster, reference, launch, tmp_path, monkeypatch):
     """No sbatch on PATH, or a partition Slurm does not have: exit 2 with what to do (Slurm's own words for the
     partition), nothing written and no job in the queue."""
     path = os.environ["PATH"].split(os.pathsep)
@@ -103,6 +123,18 @@ def test_bad_input_submits_nothing(slurm_cluster, launch, tmp_path, monkeypatch)
     assert "invalid partition" in wrong.stderr.lower() and "nothing was submitted" in wrong.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert slurm_cluster.run("squeue", "--noheader").stdout.strip() == ""
+
+
+def test_a_job_slurm_ended_before_it_wrote_an_outcome_is_exit_3_with_slurms_state(slurm_cluster, token_cache, tmp_path):
+    """Its coordinator could not start (the nodes have no such interpreter): the follower says how Slurm ended it."""
+    run_dir = tmp_path / "run"
+    launcher = start_launcher(
+        token_cache, {**os.environ, **slurm_cluster.env}, "cluster.python=/nonexistent/python", f"run.dir={run_dir}"
+    )
+    out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 3, out
+    assert "FAILED: the job ended (FAILED) before it wrote its outcome" in out, out
+    assert not (run_dir / "summary.json").exists()
 
 
 def test_detached_job_followed_then_cancelled_stops_cleanly(slurm_cluster, token_cache, tmp_path):
@@ -189,7 +221,7 @@ def test_nodes_lost_mid_run_cost_only_their_host(slurm_cluster, token_cache, ref
 
     assert launcher.returncode == 0, out
     summary = read_summary(run_dir)
-    assert summary["param_sha256"] == reference, out
+    assert summary["param_sha256"] == reference.param_sha256(), out
     lost = [f for f in summary["failures"] if f["kind"] == "host_lost"]
     assert {node_of(f["detail"].split()[1]) for f in lost} == {node_of(first), node_of(second)}, summary["failures"]
     assert all(r["completed"] for r in summary["recoveries"]), summary["recoveries"]

@@ -40,7 +40,9 @@ def workers_of(lines: list[str]) -> list[dict[str, str]]:
 def test_every_packaged_cluster_option_is_a_known_kind():
     for option in available_options()["cluster"]:
         assert option in KINDS
-    with pytest.raises(ConfigError, match=r"cluster.kind='moon': choose one of \['local', 'netns', 'hosts'\]"):
+    with pytest.raises(
+        ConfigError, match=r"cluster.kind='moon': choose one of \['local', 'netns', 'hosts', 'slurm', 'k8s'\]"
+    ):
         cluster_kind("moon")
 
 
