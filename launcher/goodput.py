@@ -10,6 +10,7 @@ held, as a share of worker-seconds) is reported beside goodput, not inside it.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from ckptless_core.events import read_events
@@ -86,10 +87,12 @@ def report_from_events(
 
 
 def fault_free_step_s(events: list[dict]) -> float:
-    """Median time between consecutive committed steps of one worker (the lowest-named one that committed),
-    within one process and generation, so that restarts and recoveries do not count as steps."""
+    """Median time between consecutive committed steps of one worker (the one that committed the most steps, the
+    lowest-named among equals: a worker lost early saw only the first steps), within one process and generation, so
+    that restarts and recoveries do not count as steps."""
     committed = [e for e in events if e["event"] == "step_committed"]
-    worker = min(e["worker"] for e in committed)
+    counts = Counter(e["worker"] for e in committed)
+    worker = min(counts, key=lambda name: (-counts[name], name))
     mine = [e for e in committed if e["worker"] == worker]
     intervals = [
         b["t"] - a["t"]
