@@ -49,6 +49,7 @@ from ckptless_core.protocol import (
     Generation,
     Hello,
     HostJob,
+    Leaving,
     ProtocolError,
     Refused,
     Shutdown,
@@ -67,10 +68,10 @@ EXIT_LEFT = 4
 """The host left: SIGTERM reached its agent and no stop of the whole job followed (`LEAVE_GRACE_S`)."""
 LEAVE_GRACE_S = 2.0
 """How long an agent that got SIGTERM waits for the coordinator's stop before it takes the signal as its host
-leaving. A SIGTERM meant for the whole job (`scancel`, a deleted JobSet, a process group's) reaches the coordinator
-too, whose stop (StopAt) then arrives within this; one that reaches this agent alone (an eviction, a drain, a spot
-notice) is its host leaving: its workers are killed and it exits, so the coordinator hands its ranks to spares as
-for a lost host."""
+leaving. It tells the coordinator at once (`Leaving`). A SIGTERM meant for the whole job (`scancel`, a deleted
+JobSet, a process group's) reaches the coordinator too, or every agent, and the coordinator's stop (StopAt) then
+arrives within this; one that reaches this agent alone (an eviction, a drain, a spot notice) is its host leaving:
+its workers are killed and it exits, so the coordinator hands its ranks to spares as for a lost host."""
 
 
 class Agent:
@@ -114,6 +115,8 @@ class Agent:
         self.events: EventLog | None = None
         self.terminated_at: float | None = None
         """When SIGTERM reached this agent (None: it did not)."""
+        self.said_leaving = False
+        """The coordinator was told (`Leaving`): it stops the job if no host would be left to train on."""
 
     def run(self, *, preload: list[str]) -> int:
         try:
@@ -171,6 +174,9 @@ class Agent:
                     self._handle(message)
                 elif message is not None and isinstance(message, WORKER_REPORTS):
                     self._relay(source, message)
+            if self.terminated_at is not None and not self.said_leaving:
+                self.said_leaving = True
+                self.uplink.send(Leaving(host=self.host))
             if self._lease_expired():
                 self._fence_self()
             elif self._coordinator_silent():

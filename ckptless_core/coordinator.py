@@ -72,6 +72,8 @@ class Coordinator:
         self.progress_at_last_failure = -1
         self.fault_times: dict[str, float] = {}
         """When a fault was injected into a worker (wall clock): its failure is timed from then (`note_fault_time`)."""
+        self.stop_reason: str | None = None
+        """Why this coordinator stopped the job itself (every host leaving); None: it did not."""
 
     # --- start ------------------------------------------------------------------------------------------------
 
@@ -190,10 +192,15 @@ class Coordinator:
         """None while the job runs; the outcome once every member finished, or the job cannot go on."""
         self.channels.drain()
         membership = self.membership
+        if self.stop_reason is None and membership.every_host_leaving():
+            self.stop_reason = "every host is leaving (SIGTERM to its agent): no host is left to train on"
+            self.request_stop()
         codes = membership.exit_codes(membership.generation.members)
         if codes and all(code == 0 for code in codes.values()):
             self.events.emit("job_completed", generation=membership.generation.number)
             self.stop()
+            if self.stop_reason is not None:
+                return JobOutcome(ok=False, exit_codes=self.exit_codes(), message=self.stop_reason, reason="stopped")
             return JobOutcome(ok=True, exit_codes=self.exit_codes(), message="all workers completed")
         if (outcome := self._training_code_error()) is not None:
             return outcome

@@ -17,6 +17,7 @@ from ckptless_core.protocol import (
     FailureReport,
     Generation,
     Heartbeat,
+    Leaving,
     Position,
     Progress,
     Ready,
@@ -71,6 +72,8 @@ class HostRecord:
     a running job (a replaced node); replacement spares go where a slot is free."""
     resent: bool = True
     """False while an agent that reconnected to a restarted coordinator resends its reports."""
+    leaving: bool = False
+    """Its agent got SIGTERM (`Leaving`): the host goes unless the job stops first."""
 
 
 class Membership:
@@ -168,9 +171,13 @@ class Membership:
     # --- what the agents relay ---------------------------------------------------------------------------------
 
     def record(self, host: str, message, received_at: float) -> None:
-        """A worker's report (or its agent's word of it), relayed by `host`'s agent."""
+        """A worker's report (or its agent's word of it), relayed by `host`'s agent; or the agent's own word."""
         if isinstance(message, Resent):
             self._resent(host, message)
+            return
+        if isinstance(message, Leaving):
+            self.hosts[host].leaving = True
+            self.events.emit("leaving_announced", host=host)
             return
         worker = self.workers.get(getattr(message, "worker", ""))
         if worker is None or worker.host != host or (worker.retired and not isinstance(message, WorkerExited)):
@@ -260,6 +267,10 @@ class Membership:
 
     def live_processes(self, host: str) -> int:
         return sum(self.workers[n].alive for n in self.hosts[host].workers)
+
+    def every_host_leaving(self) -> bool:
+        """Every host still in the job is leaving: none would be left to train on."""
+        return bool(self.hosts) and all(host.leaving for host in self.hosts.values())
 
     def spare_host(self) -> str | None:
         """The live host with the most free slots (None: every host is full; a replaced node will bring some)."""

@@ -231,10 +231,19 @@ class Resent:
     """Every worker this agent started, exited ones included."""
 
 
+@dataclass(frozen=True)
+class Leaving:
+    """Agent -> coordinator: SIGTERM reached this agent; its host leaves after `agent.LEAVE_GRACE_S` unless the job
+    stops meanwhile (the coordinator stops it when no host would be left to train on)."""
+
+    host: str
+
+
 MESSAGES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Hello,
+        Leaving,
         Welcome,
         Refused,
         StartWorker,

@@ -117,6 +117,15 @@ def steps_committed(run_dir, worker: str) -> int:
 def strike_from_outside(token_cache, run_dir, strike, *, steps: int) -> dict:
     """Run the job on emulated hosts (a spare host, no spare process), call `strike(launcher_pid)` once host1's
     worker has committed 4 steps, and return the summary of the job, which must complete."""
+    code, output = run_and_strike(token_cache, run_dir, strike, steps=steps)
+    assert code == 0, output[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    return summary
+
+
+def run_and_strike(token_cache, run_dir, strike, *, steps: int) -> tuple[int, str]:
+    """The launcher's exit code and output, `strike(launcher_pid)` called once host1's worker committed 4 steps."""
     command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={steps}"]
     command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
     env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
@@ -131,10 +140,7 @@ def strike_from_outside(token_cache, run_dir, strike, *, steps: int) -> dict:
     finally:
         launcher.kill()
         launcher.stdout.close()
-    assert launcher.returncode == 0, output[-3000:]
-    summary = read_summary(run_dir)
-    assert summary["status"] == "completed" and summary["steps"] == steps
-    return summary
+    return launcher.returncode, output
 
 
 @needs_netns
@@ -183,6 +189,24 @@ def test_a_sigterm_to_one_agent_alone_is_its_host_leaving_and_the_job_goes_on(to
     assert [f["kind"] for f in summary["failures"]] == ["host_lost"]
     (left,) = [e for e in read_events(run_dir / "events") if e["event"] == "host_leaving"]
     assert left["worker"] == "agent-host1"
+
+
+@needs_netns
+def test_a_sigterm_to_every_agent_stops_the_job_cleanly(token_cache, tmp_path):
+    """`scancel` of every host's task, a node pool drained at once: each agent tells the coordinator it is leaving,
+    and with no host left to train on the coordinator stops the job at a step boundary within the agents' grace."""
+    run_dir = tmp_path / "all-leaving"
+
+    def sigterm_to_every_agent(launcher_pid: int) -> None:
+        for host in range(3):  # two training hosts and the spare host
+            os.kill(agent_pid(launcher_pid, host=host), signal.SIGTERM)
+
+    code, output = run_and_strike(token_cache, run_dir, sigterm_to_every_agent, steps=LONG_STEPS)
+    assert code == 130, output[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "stopped" and "every host is leaving" in summary["message"], summary
+    assert 4 <= summary["steps"] < LONG_STEPS and not summary["failures"], summary
+    assert not [e for e in read_events(run_dir / "events") if e["event"] == "host_leaving"]  # none left on its own
 
 
 @needs_netns
