@@ -72,6 +72,7 @@ class Coordinator:
         self.progress_at_last_failure = -1
         self.fault_times: dict[str, float] = {}
         """When a fault was injected into a worker (wall clock): its failure is timed from then (`note_fault_time`)."""
+        self.stop_requested = False
         self.stop_reason: str | None = None
         """Why this coordinator stopped the job itself (every host leaving); None: it did not."""
 
@@ -431,6 +432,9 @@ class Coordinator:
         The boundary is two steps past the most advanced progress report: a worker reports each step before it
         checks for a stop, so none can have passed that boundary unseen, and all of them stop there together
         (workers stopping one step apart would leave the others blocked in a collective)."""
+        if self.stop_requested:  # one boundary for every worker: a second, later one could split them
+            return
+        self.stop_requested = True
         self.channels.drain()
         stop_at = max(self.membership.progress().values(), default=0) + 2
         self.channels.to_every_host(StopAt(step=stop_at))
