@@ -254,6 +254,31 @@ def test_an_agents_pod_killed_and_recreated_costs_the_job_nothing(submitted, fau
     assert not [e for e in events if e["event"] == "agent_refused"]
 
 
+def test_the_coordinators_pod_killed_and_recreated_resumes_the_job_from_its_journal(submitted, fault_free):
+    """Its pod killed (its node up): Kubernetes starts it again; it resumes from the journal on the volume, says where
+    it listens under the same Service name, every agent finds it again, and the job ends with the fault-free
+    parameters, no worker lost."""
+    jobset, run_dir = submitted
+    coordinator = jobset.coordinator
+
+    def kill_and_recreate() -> None:
+        deadline = time.monotonic() + 120
+        while steps_committed(run_dir, "worker1") < KILL_AFTER_STEPS:
+            assert coordinator.host.process.poll() is None, jobset.logs()
+            assert time.monotonic() < deadline, "training never reached step 4:\n" + jobset.logs()
+            time.sleep(0.02)
+        jobset.kill(coordinator)
+        jobset.start(coordinator)  # restartPolicy / podFailurePolicy: the same Job, a new pod
+
+    exits = run_to_the_end(jobset, strike=kill_and_recreate)
+    assert set(exits.values()) == {0}, jobset.logs()
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["param_sha256"] == fault_free and summary["failures"] == []
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["completed"], restart
+
+
 def steps_committed(run_dir: Path, worker: str) -> int:
     path = run_dir / "events" / f"{worker}.jsonl"
     return sum(e["event"] == "step_committed" for e in read_jsonl(path)) if path.exists() else 0

@@ -114,7 +114,8 @@ def test_every_data_option_composes(option, tmp_path):
 
 @pytest.mark.parametrize("option", CLUSTER_OPTIONS)
 def test_every_cluster_option_composes(option):
-    job = compose_job(["recipe=tiny_llama", f"cluster={option}"]).job
+    # A run directory on shared storage (as `cluster=slurm` needs), wherever the tests run from (/tmp included).
+    job = compose_job(["recipe=tiny_llama", f"cluster={option}", "run.dir=/shared/runs/r1"]).job
     assert job.cluster.kind == option
     assert job.cluster.nproc >= 1
 

@@ -109,7 +109,9 @@ def test_an_option_of_slurm_is_refused_on_another_kind():
 def test_agents_wait_for_a_lost_coordinator_as_long_as_the_kind_takes_to_bring_it_back(kind, seconds):
     job = compose_job(["recipe=tiny_llama", f"cluster={kind}", "dry_run=true", f"run.dir={SHARED}"]).job
     assert job.ft.coordinator_timeout_s == seconds
-    job = compose_job(["recipe=tiny_llama", f"cluster={kind}", "dry_run=true", "ft.coordinator_timeout_s=45"]).job
+    job = compose_job(
+        ["recipe=tiny_llama", f"cluster={kind}", "dry_run=true", f"run.dir={SHARED}"] + ["ft.coordinator_timeout_s=45"]
+    ).job
     assert job.ft.coordinator_timeout_s == 45
 
 
