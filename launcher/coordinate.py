@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptless_core.channel import read_secret
 from ckptless_core.coordinator_process import CoordinatorProcess
-from ckptless_core.events import EventLog, read_events
+from ckptless_core.events import EventLog, read_jsonl
 from ckptless_core.journal import journal_path
 from launcher.clusters import cluster_kind, is_scheduled
 from launcher.errors import EXIT_BAD_INPUT
@@ -125,7 +125,8 @@ def _note_predecessor_lost(run_dir: Path) -> None:
     """A coordinator of this job ran before (its node was lost and the scheduler started this one): the summary
     counts it as a coordinator restart, lost at its last sign of life: the last time an agent heard from it (agents
     note a silent coordinator), or its last write to the run directory, whichever is later."""
-    heard = [e["t"] - e["silent_s"] for e in read_events(run_dir / "events") if e["event"] == "coordinator_silent"]
+    agents = [e for path in (run_dir / "events").glob("agent-*.jsonl") for e in read_jsonl(path)]  # (not the steps')
+    heard = [e["t"] - e["silent_s"] for e in agents if e["event"] == "coordinator_silent"]
     traces = [journal_path(run_dir), run_dir / "logs" / "coordinator.log", run_dir / "coordinator" / "address"]
     last_seen = max([path.stat().st_mtime for path in traces if path.exists()] + heard)
     events = EventLog(run_dir / "events" / "scheduler.jsonl", worker="scheduler")
