@@ -24,7 +24,7 @@ Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, d
   ft=ckptless|checkpoint_restart|none, fault=kill_worker fault.rank=1 fault.step=20,
   data=text_files data.paths=[a.txt,b.txt], task=sft|lora data=chat data.paths=[chats.jsonl], lora.rank,
   trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
-  model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. The README has the full reference.
+  model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. docs/config.md has the full reference.
 
 After a run:
   python -m launcher.report <run dir>    goodput table, time lost per failure by phase, cost in accelerator-hours,

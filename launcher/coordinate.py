@@ -8,8 +8,8 @@ It serves the job as the launcher does on `cluster=local` (`launcher.run.serve_j
 the run directory holds a journal (the scheduler started it again after its node was lost), resumes it from there;
 it says where it listens in `coordinator/address`, where the agents look; a SIGTERM (`scancel`, a deleted JobSet,
 Slurm's time-limit warning) stops the job cleanly at a step boundary; at the end it writes `summary.json`, releases
-what the scheduler still holds for the job (queued hosts), and exits with the code of the README's table. A
-launcher following the job (`launcher.follow`) only reads what it wrote.
+what the scheduler still holds for the job (queued hosts), and exits with the code of the table in
+docs/run-directory.md. A launcher following the job (`launcher.follow`) only reads what it wrote.
 """
 
 from __future__ import annotations

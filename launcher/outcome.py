@@ -16,7 +16,7 @@ from recipes.schema import JobConfig
 
 def report_outcome(job: JobConfig, *, run_dir: Path) -> int:
     """What every launcher prints when a job ended, read from its `summary.json` (written by whatever served the
-    job, here or where a scheduler placed it); the exit code of the README's table."""
+    job, here or where a scheduler placed it); the exit code of the table in docs/run-directory.md."""
     summary = read_summary(run_dir)
     for line in describe_recoveries(summary):
         print(line)
@@ -30,7 +30,7 @@ def report_outcome(job: JobConfig, *, run_dir: Path) -> int:
 
 
 def exit_code(summary: dict) -> int:
-    """How a job ended, as the README's table of exit codes says it."""
+    """How a job ended, as the table of exit codes in docs/run-directory.md says it."""
     if summary["status"] == "completed":
         return EXIT_OK
     if summary["status"] == "stopped":
