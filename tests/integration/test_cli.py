@@ -6,7 +6,7 @@ import pytest
 
 
 def test_help_lists_recipes_and_groups(launch):
-    proc = launch("--help")
+    proc = launch("--help", fresh_interpreter=True)
     assert proc.returncode == 0
     for name in ("tiny_llama", "tiny_gpt_oss", "llama3_8b", "gpt_oss_20b", "cluster", "data", "text_files"):
         assert name in proc.stdout
@@ -126,7 +126,7 @@ def test_overwriting_the_run_that_resume_continues_is_refused(launch, tmp_path):
 
 
 def test_missing_recipe_is_refused(launch, tmp_path):
-    proc = launch(cwd=tmp_path)
+    proc = launch(cwd=tmp_path, fresh_interpreter=True)
     assert proc.returncode == 2
     assert "recipe=" in proc.stderr and "tiny_llama" in proc.stderr
 

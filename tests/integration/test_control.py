@@ -16,9 +16,10 @@ import torch.distributed as dist
 from ckptless_core.channel import connect_channel, new_secret
 from ckptless_core.events import read_events
 from ckptless_core.protocol import FailureReport, ProtocolError, StopAt, encode
-from tests.conftest import OFFLINE, read_summary
+from tests.conftest import OFFLINE, TWO, read_summary
 
 STEPS = 40
+"""Long enough to attack the job while it trains (and the same as test_k8s_pods', sharing their reference)."""
 
 
 def wait_for(predicate, *, timeout_s: float = 120.0):
@@ -35,10 +36,7 @@ def listening_addresses(pids: set[int]) -> list[str]:
     return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
 
 
-def test_forged_and_unauthenticated_control_changes_nothing(launch, token_cache, tmp_path):
-    reference = tmp_path / "reference"
-    proc = launch("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "ft.spares=0", f"run.dir={reference}")
-    assert proc.returncode == 0, proc.stderr
+def test_forged_and_unauthenticated_control_changes_nothing(fault_free_hash, token_cache, tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
@@ -75,7 +73,7 @@ def test_forged_and_unauthenticated_control_changes_nothing(launch, token_cache,
         launcher.kill()
     assert launcher.returncode == 0, stdout + stderr
     summary = read_summary(run_dir)
-    assert summary["failures"] == [] and summary["param_sha256"] == read_summary(reference)["param_sha256"]
+    assert summary["failures"] == [] and summary["param_sha256"] == fault_free_hash(STEPS, *TWO)
     refusals = [e for e in read_events(run_dir / "events") if e["event"] == "control_refused"]
     assert len(refusals) == 2 and all("authentication" in e["reason"] or "handshake" in e["reason"] for e in refusals)
     assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses

@@ -18,7 +18,7 @@ import pytest
 
 from ckptless_core import netns
 from ckptless_core.events import read_events, read_jsonl
-from tests.conftest import OFFLINE, read_summary
+from tests.conftest import OFFLINE, THREE, TWO, read_summary
 
 STEPS = 24
 FAULT_STEP = 10
@@ -49,11 +49,9 @@ def run(launch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fault_free(run):
+def fault_free(fault_free_hash):
     """The hash of a fault-free run of the same layout (2 data-parallel workers) on one host."""
-    proc, run_dir = run("reference", "ft.spares=0")
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    return read_summary(run_dir)["param_sha256"]
+    return fault_free_hash(STEPS, *TWO)
 
 
 @pytest.fixture(autouse=True)
@@ -169,10 +167,8 @@ LONG_STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def fault_free_long(run):
-    proc, run_dir = run("reference-long", "ft.spares=0", f"trainer.max_steps={LONG_STEPS}")
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    return read_summary(run_dir)["param_sha256"]
+def fault_free_long(fault_free_hash):
+    return fault_free_hash(LONG_STEPS, *TWO)
 
 
 @needs_netns
@@ -224,15 +220,10 @@ def test_a_killed_worker_and_a_hung_one_on_emulated_hosts(run, fault_free):
     assert [f["detected_by"] for f in summary["failures"]] == ["process_exit", "heartbeat"]
 
 
-THREE = ("trainer.global_batch_size=24", "ft.spares=0")
-
-
 @pytest.fixture(scope="module")
-def fault_free_three(run):
+def fault_free_three(fault_free_hash):
     """The hash of a fault-free run of 3 data-parallel workers on one host."""
-    proc, run_dir = run("reference-3", *THREE, "cluster.nproc=3")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_summary(run_dir)["param_sha256"]
+    return fault_free_hash(STEPS, *THREE)
 
 
 @needs_netns
@@ -245,7 +236,8 @@ def test_two_hosts_lost_are_replaced_by_two_spare_hosts(run, fault_free_three, s
     proc, run_dir = run(
         f"two-hosts-{second}",
         *NETNS,
-        *THREE,
+        "trainer.global_batch_size=24",
+        "ft.spares=0",
         "cluster.num_hosts=3",
         "cluster.spare_hosts=2",
         "fault=kill_host",

@@ -36,7 +36,7 @@ from ckptless_core import netns
 from ckptless_core.events import read_events, read_jsonl
 from launcher.clusters import k8s
 from launcher.compose import compose_job
-from tests.conftest import OFFLINE, read_summary
+from tests.conftest import OFFLINE, TWO, read_summary
 
 STEPS = 40
 """Long enough for a recreated pod to join while the job still trains."""
@@ -168,13 +168,9 @@ class EmulatedJobSet:
 
 
 @pytest.fixture(scope="module")
-def fault_free(launch, tmp_path_factory) -> str:
+def fault_free(fault_free_hash) -> str:
     """The hash of the same training (2 data-parallel workers) without a failure, on this machine."""
-    run_dir = tmp_path_factory.mktemp("k8s-reference") / "reference"
-    proc = launch("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "trainer.print_every=1000", "ft.spares=0",
-                  f"run.dir={run_dir}")  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_summary(run_dir)["param_sha256"]
+    return fault_free_hash(STEPS, *TWO)
 
 
 @pytest.fixture

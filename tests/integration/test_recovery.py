@@ -11,16 +11,12 @@ import pytest
 
 from ckptless_core.events import read_events
 from launcher.summary import with_attempts
-from recipes.schema import load_config
-from tests.conftest import read_summary
+from tests.conftest import FOUR, THREE, TWO, read_summary
 
 STEPS = 24
 FAULT_STEP = 12
-# Layouts: (workers, spares, global batch, micro-batch). Every fault case runs with enough workers and spares that
-# a healthy copy of the state and a spare always exist.
-TWO = ("cluster.nproc=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=8")
-THREE = ("cluster.nproc=3", "trainer.global_batch_size=24", "trainer.micro_batch_size=8")
-FOUR = ("cluster.nproc=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4")
+"""Every fault case runs in a layout (TWO, THREE, FOUR workers) with enough workers and spares that a healthy copy
+of the state and a spare always exist."""
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +39,9 @@ def run(launch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fault_free(run):
-    """The reference hash of each layout, from a run without failures (shared by the tests below)."""
-    hashes = {}
-
-    def reference(layout: tuple[str, ...]) -> str:
-        if layout not in hashes:
-            proc, run_dir = run(f"reference-{len(hashes)}", *layout, "ft.spares=0")
-            assert proc.returncode == 0, proc.stderr + proc.stdout
-            hashes[layout] = read_summary(run_dir)["param_sha256"]
-        return hashes[layout]
-
-    return reference
+def fault_free(fault_free_hash):
+    """The reference hash of each layout at STEPS steps, from a run without failures (shared by the session)."""
+    return lambda layout: fault_free_hash(STEPS, *layout)
 
 
 def assert_recovered(proc, run_dir, *, expected_hash: str, failures: int) -> dict:
@@ -282,8 +269,8 @@ def test_a_shrunken_job_grows_back_when_a_new_spare_is_ready(launch, tmp_path):
     assert summary["final_world_size"] == 2
 
 
-def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_free):
-    fault_free(FOUR)
+def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_free_run):
+    reference = fault_free_run(STEPS, *FOUR)
     proc, run_dir = run(
         "shrink-4-2",
         *FOUR,
@@ -295,8 +282,7 @@ def test_shrinking_four_workers_to_two_keeps_the_loss_within_1e_3(run, fault_fre
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = read_summary(run_dir)
     assert summary["final_world_size"] == 2 and summary["steps"] == STEPS
-    reference = [r for r in (run_dir.parent).glob("reference-*") if read_summary(r)["world_size"] == 4]
-    assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)
+    assert summary["final_loss"] == pytest.approx(read_summary(reference)["final_loss"], rel=1e-3)
 
 
 def test_with_on_no_spare_wait_the_job_waits_for_a_replacement(run, fault_free):
@@ -477,7 +463,7 @@ def test_a_sharded_checkpoint_loads_bitwise_into_other_layouts(run):
     assert read[2] < 0.6 * read[1]  # a sharded rank reads its own slices, never the whole state
 
 
-def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(run, fault_free):
+def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(run, fault_free_run):
     proc, run_dir = run(
         "sharded-shrink", *SHARDED, "ft.spares=0", "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}"
     )
@@ -486,9 +472,8 @@ def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(r
     assert summary["status"] == "completed" and summary["steps"] == STEPS and summary["final_world_size"] == 2
     shrunk = next(e for e in read_events(run_dir / "events") if e["event"] == "job_shrunk")
     assert shrunk["demoted"] == ["worker2"]  # worker3 holds shard 1 and stays, as rank 1
-    fault_free(SHARDED)
-    reference = [r for r in run_dir.parent.glob("reference-*") if load_config(r / "config.yaml").parallel.shard == 2]
-    assert summary["final_loss"] == pytest.approx(read_summary(reference[0])["final_loss"], rel=1e-3)
+    reference = fault_free_run(STEPS, *SHARDED)
+    assert summary["final_loss"] == pytest.approx(read_summary(reference)["final_loss"], rel=1e-3)
 
 
 def test_a_corrupted_slice_is_caught_against_its_own_copy_and_repaired_from_it(run):

@@ -13,26 +13,16 @@ import time
 import pytest
 
 from ckptless_core.events import read_events
-from tests.conftest import OFFLINE, read_summary
+from tests.conftest import OFFLINE, TWO, read_summary
 
-STEPS = 32
+STEPS = 24
 FAULT_STEP = 10
-TWO = (
-    "recipe=tiny_llama",
-    f"trainer.max_steps={STEPS}",
-    "trainer.print_every=100",
-    "cluster.nproc=2",
-    "trainer.global_batch_size=16",
-    "trainer.micro_batch_size=8",
-)
+JOB = ("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "trainer.print_every=100", *TWO)
 
 
 @pytest.fixture(scope="module")
-def fault_free_hash(launch, tmp_path_factory) -> str:
-    run_dir = tmp_path_factory.mktemp("signals") / "reference"
-    proc = launch(*TWO, "ft.spares=0", f"run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_summary(run_dir)["param_sha256"]
+def fault_free(fault_free_hash) -> str:
+    return fault_free_hash(STEPS, *TWO)
 
 
 def wait_for(predicate, *, timeout_s: float, what: str):
@@ -44,12 +34,12 @@ def wait_for(predicate, *, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def test_stray_sigusr1_and_sigusr2_reach_workers_and_spare_and_change_nothing(token_cache, tmp_path, fault_free_hash):
+def test_stray_sigusr1_and_sigusr2_reach_workers_and_spare_and_change_nothing(token_cache, tmp_path, fault_free):
     run_dir = tmp_path / "run"
     env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "launcher", *TWO, "ft.spares=1", f"run.dir={run_dir}"],
+            [sys.executable, "-m", "launcher", *JOB, "ft.spares=1", f"run.dir={run_dir}"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -76,7 +66,7 @@ def test_stray_sigusr1_and_sigusr2_reach_workers_and_spare_and_change_nothing(to
     assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["steps"] == STEPS
-    assert summary["param_sha256"] == fault_free_hash
+    assert summary["param_sha256"] == fault_free
     assert summary["failures"] == [] and summary["errors"] == []
     events = read_events(run_dir / "events")
     # The signals came while training went on: steps were committed after them, by the same processes.
@@ -84,15 +74,15 @@ def test_stray_sigusr1_and_sigusr2_reach_workers_and_spare_and_change_nothing(to
     assert {e["worker"]: e["pid"] for e in events if e["event"] == "worker_start"} == pids
 
 
-def test_a_segfault_is_recovered_like_a_killed_worker_with_the_same_bits(launch, tmp_path, fault_free_hash):
+def test_a_segfault_is_recovered_like_a_killed_worker_with_the_same_bits(launch, tmp_path, fault_free):
     run_dir = tmp_path / "run"
     proc = launch(
-        *TWO, "ft.spares=1", "fault=segfault", "fault.rank=1", f"fault.step={FAULT_STEP}", f"run.dir={run_dir}"
+        *JOB, "ft.spares=1", "fault=segfault", "fault.rank=1", f"fault.step={FAULT_STEP}", f"run.dir={run_dir}"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["steps"] == STEPS
-    assert summary["param_sha256"] == fault_free_hash
+    assert summary["param_sha256"] == fault_free
     (failure,) = summary["failures"]
     assert (failure["worker"], failure["rank"], failure["detail"]) == ("worker1", 1, "killed by SIGSEGV")
     # The crash comes at the next forward after the signal: in the step in progress, or the next if that one's

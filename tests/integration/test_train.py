@@ -19,9 +19,10 @@ SHORT = ("trainer.max_steps=20", "trainer.print_every=5")
 
 @pytest.fixture(scope="module")
 def tiny_llama_run(launch, tmp_path_factory):
-    """The recipe as a user runs it: its default steps, two workers."""
+    """The recipe as a user runs it: its default steps, two workers, `python -m launcher` in an interpreter of its
+    own (the other runs are forked from one that imported the launcher already)."""
     run_dir = tmp_path_factory.mktemp("runs") / "tiny_llama"
-    return launch("recipe=tiny_llama", f"run.dir={run_dir}"), run_dir
+    return launch("recipe=tiny_llama", f"run.dir={run_dir}", fresh_interpreter=True), run_dir
 
 
 @pytest.fixture(scope="module")
