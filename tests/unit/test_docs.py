@@ -118,32 +118,15 @@ COMMANDS = _commands()
 def sources(tmp_path_factory) -> dict[str, str]:
     """What the docs' placeholders stand for, made small: a pretrained folder and its tokenizer (with a chat
     template), a text file, a file of conversations, a run directory with a disk checkpoint to resume from."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from recipes.data.chat import synthetic_conversations
+    from tests.integration.test_sources import TEXT, pretrained_folder, train_tokenizer
 
     root = tmp_path_factory.mktemp("doc-sources")
-    text = "the quick brown fox jumps over the lazy dog. " * 40
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.train_from_iterator([text], trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<eos>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    tokenizer = train_tokenizer(root / "tokenizer")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(root / "tokenizer")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "weights")
-    (root / "book.txt").write_text(text)
+    pretrained_folder(root / "weights", tokenizer)
+    (root / "book.txt").write_text(TEXT)
     chats = islice(synthetic_conversations(seed=1, num_bytes=10**5), 50)
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
     (root / "earlier-run" / "checkpoints" / "step_00000010").mkdir(parents=True)
