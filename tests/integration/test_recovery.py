@@ -477,8 +477,8 @@ def test_a_sharded_job_without_a_spare_shrinks_to_the_whole_replica_group_left(r
 
 
 def test_a_corrupted_slice_is_caught_against_its_own_copy_and_repaired_from_it(run):
-    # Two copies of each slice: a mismatch cannot tell which is right; the lower rank's copy wins (said in the
-    # README), so corrupting rank 3 (shard 1 of group 1) makes it the outlier, repaired from rank 1.
+    # Two copies of each slice: a mismatch cannot tell which is right; the lower rank's copy wins (docs/sharding.md
+    # says so), so corrupting rank 3 (shard 1 of group 1) makes it the outlier, repaired from rank 1.
     proc, run_dir = run(
         "sharded-corrupt", *SHARDED, "ft.check_every=2", "fault=corrupt", "fault.rank=3", f"fault.step={FAULT_STEP}"
     )
