@@ -101,9 +101,15 @@ def _launch(request: dict, *zygote_fds: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for fd in zygote_fds:
         os.close(fd)
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT)):
-        os.dup2(os.open(path, mode, 0o644), fd)
-    os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT, 0o644), 2)
+    written = os.O_WRONLY | os.O_CREAT
+    for fd, path, mode in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], written),
+        (2, request["stderr"], written),
+    ):
+        opened = os.open(path, mode, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # (as `python -m` puts its working directory first)
     os.environ.clear()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ckptless_core.events import read_events
 from ckptless_core.state_hash import param_sha256
 from recipes.data.chat import synthetic_conversations
-from tests.conftest import read_metrics, read_summary
+from tests.conftest import FOUR, read_metrics, read_summary
 from tests.integration.test_sources import pretrained_folder, train_tokenizer
 
 TEMPLATE = (
@@ -22,7 +22,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 STEPS = 12
-FOUR = ("cluster.nproc=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4")
 
 
 @pytest.fixture(scope="module")

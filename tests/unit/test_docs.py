@@ -17,10 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 250
 COMMAND = "python -m launcher recipe="
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def _name(page: Path) -> str:
@@ -119,11 +115,12 @@ def sources(tmp_path_factory) -> dict[str, str]:
     """What the docs' placeholders stand for, made small: a pretrained folder and its tokenizer (with a chat
     template), a text file, a file of conversations, a run directory with a disk checkpoint to resume from."""
     from recipes.data.chat import synthetic_conversations
+    from tests.integration.test_finetune import TEMPLATE
     from tests.integration.test_sources import TEXT, pretrained_folder, train_tokenizer
 
     root = tmp_path_factory.mktemp("doc-sources")
     tokenizer = train_tokenizer(root / "tokenizer")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(root / "tokenizer")
     pretrained_folder(root / "weights", tokenizer)
     (root / "book.txt").write_text(TEXT)
