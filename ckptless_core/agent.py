@@ -33,21 +33,21 @@ import queue
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptless_core.channel import Channel, accept_channel, read_secret
+from ckptless_core.channel import read_secret
 from ckptless_core.coordinator_address import parse_address, read_coordinator_address
 from ckptless_core.coordinator_link import RECONNECT_ATTEMPT_S, CoordinatorLink
 from ckptless_core.events import EventLog
 from ckptless_core.protocol import (
+    LEAVE_GRACE_S,
     WORKER_REPORTS,
     ChannelClosed,
+    Drain,
     FenceWorker,
     Generation,
-    Hello,
     HostJob,
     Leaving,
     ProtocolError,
@@ -60,18 +60,14 @@ from ckptless_core.protocol import (
     WorkerExited,
     WorkerStarted,
 )
+from ckptless_core.worker_links import CONNECT_GRACE_S, WorkerLinks
 from ckptless_core.worker_process import exit_with, run_worker
 
 EXIT_REFUSED = 2
 EXIT_COORDINATOR_LOST = 3
 EXIT_LEFT = 4
-"""The host left: SIGTERM reached its agent and no stop of the whole job followed (`LEAVE_GRACE_S`)."""
-LEAVE_GRACE_S = 2.0
-"""How long an agent that got SIGTERM waits for the coordinator's stop before it takes the signal as its host
-leaving. It tells the coordinator at once (`Leaving`). A SIGTERM meant for the whole job (`scancel`, a deleted
-JobSet, a process group's) reaches the coordinator too, or every agent, and the coordinator's stop (StopAt) then
-arrives within this; one that reaches this agent alone (an eviction, a drain, a spot notice) is its host leaving:
-its workers are killed and it exits, so the coordinator hands its ranks to spares as for a lost host."""
+"""The host left the job (drained: SIGTERM reached its agent alone, or `python -m launcher drain`): an engine may
+bring another host in its place."""
 
 
 class Agent:
@@ -91,13 +87,13 @@ class Agent:
         self.ifname = ifname
         self.address = coordinator
         self.run_dir = run_dir
-        self.inbox: queue.Queue = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
         self.slots: dict[str, int] = {}
         """Each live worker's slot on this host (its LOCAL_RANK: the device it binds); a replacement takes the lowest
         free one, so spares get devices of their own and a freed device is used again."""
-        self.links: dict[str, Channel] = {}
+        self.exited: dict[str, float] = {}
+        """Workers whose process ended and whose exit is not reported yet: when it was seen (see `worker_links`)."""
+        self.workers: WorkerLinks | None = None
         self.generation = Generation()
         self.stop_at: StopAt | None = None
         self.context = None
@@ -111,7 +107,6 @@ class Agent:
             connect_timeout_s=connect_timeout_s,
             address_file=address_file,
         )
-        self.listener = socket.create_server(("127.0.0.1", 0))
         self.events: EventLog | None = None
         self.terminated_at: float | None = None
         """When SIGTERM reached this agent (None: it did not)."""
@@ -134,13 +129,19 @@ class Agent:
             Path(self.job.run_dir) / "events" / f"agent-{self.host}.jsonl", worker=f"agent-{self.host}"
         )
         self.events.emit("agent_joined", pid=os.getpid())
+        self.workers = WorkerLinks(
+            secret=self.secret,
+            events=self.events,
+            pid_of=lambda name: getattr(self.processes.get(name), "pid", None),
+            greeting=lambda: [m for m in (self.generation if self.generation.number else None, self.stop_at) if m],
+        )
         self.uplink.start(
             events=self.events,
-            deliver=lambda message: self._put(None, message),
+            deliver=lambda message: self.workers.put(None, message),
             heartbeat_interval_s=self.job.heartbeat_interval_s,
             coordinator_timeout_s=self.job.coordinator_timeout_s,
         )
-        threading.Thread(target=self._accept_workers, name="accept", daemon=True).start()
+        self.workers.start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._serve()
@@ -149,18 +150,20 @@ class Agent:
 
     def _serve(self) -> int:
         while True:
-            # Every process not yet reported as exited is waited on: one that ended while this loop was busy
-            # elsewhere has a readable sentinel too.
-            sentinels = {p.sentinel: name for name, p in self.processes.items()}
-            ready = multiprocessing.connection.wait([self._wake_r, *sentinels], timeout=self.job.heartbeat_interval_s)
+            # Every process not yet seen to exit is waited on: one that ended while this loop was busy elsewhere has
+            # a readable sentinel too.
+            sentinels = {p.sentinel: name for name, p in self.processes.items() if name not in self.exited}
+            wake = self.workers.wake_r
+            timeout = 0.01 if self.exited else self.job.heartbeat_interval_s
+            ready = multiprocessing.connection.wait([wake, *sentinels], timeout=timeout)
             for sentinel in ready:
                 if sentinel in sentinels:
-                    self._report_exit(sentinels[sentinel])
-            if self._wake_r in ready:
-                os.read(self._wake_r, 4096)
+                    self.exited.setdefault(sentinels[sentinel], time.monotonic())
+            if wake in ready:
+                os.read(wake, 4096)
             while True:
                 try:
-                    source, message = self.inbox.get_nowait()
+                    source, message = self.workers.inbox.get_nowait()
                 except queue.Empty:
                     break
                 if source is None:  # from the coordinator
@@ -172,8 +175,11 @@ class Agent:
                         self._stop_workers_cleanly()
                         return EXIT_COORDINATOR_LOST
                     self._handle(message)
-                elif message is not None and isinstance(message, WORKER_REPORTS):
+                elif message is None:
+                    self.workers.closed.add(source)
+                elif isinstance(message, WORKER_REPORTS):
                     self._relay(source, message)
+            self._report_exits()
             if self.terminated_at is not None and not self.said_leaving:
                 self.said_leaving = True
                 self.uplink.send(Leaving(host=self.host))
@@ -197,12 +203,13 @@ class Agent:
                 self._report_exit(message.worker)
         elif isinstance(message, Generation):
             self.generation = message
-            for name, link in list(self.links.items()):
-                self._to_worker(name, link, message)
+            self.workers.send_all(message)
         elif isinstance(message, StopAt):
             self.stop_at = message
-            for name, link in list(self.links.items()):
-                self._to_worker(name, link, message)
+            self.workers.send_all(message)
+        elif isinstance(message, Drain) and self.terminated_at is None:  # the coordinator decided: no grace to wait
+            self.terminated_at = time.monotonic() - LEAVE_GRACE_S
+            self.said_leaving = True
 
     def _start(self, order: StartWorker) -> None:
         job = self.job
@@ -212,7 +219,7 @@ class Agent:
             **job.env,
             "CKPTLESS_WORKER": order.worker,
             "CKPTLESS_SPARE": "1" if order.spare else "0",
-            "CKPTLESS_AGENT_PORT": str(self.listener.getsockname()[1]),
+            "CKPTLESS_AGENT_PORT": str(self.workers.port),
             "CKPTLESS_SECRET": self.secret.hex(),
             "CKPTLESS_HOST": self.host,
             "LOCAL_RANK": str(self._free_slot(order.worker)),
@@ -264,19 +271,27 @@ class Agent:
     def _on_sigterm(self, signum, frame) -> None:
         if self.terminated_at is None:
             self.terminated_at = time.monotonic()
-        os.write(self._wake_w, b"t")
+        os.write(self.workers.wake_w, b"t")
 
     def _leaving(self) -> bool:
-        """SIGTERM came, and no stop of the whole job within `LEAVE_GRACE_S` (see there)."""
-        waited = self.terminated_at is not None and time.monotonic() - self.terminated_at > LEAVE_GRACE_S
-        return waited and self.stop_at is None
+        """This host was told to leave (SIGTERM, a drain), no stop of the whole job came within `LEAVE_GRACE_S`, and
+        none of its workers trains in the newest generation or hands its rank over in it (they did: they exited),
+        or `drain_timeout_s` passed."""
+        if self.terminated_at is None or self.stop_at is not None:
+            return False
+        waited = time.monotonic() - self.terminated_at
+        generation = self.generation
+        training = [n for n in self.processes if n in generation.members or n in generation.departing]
+        return waited > LEAVE_GRACE_S and (not training or waited > self.job.drain_timeout_s)
 
     def _leave(self) -> int:
-        """This host leaves the job (its workers are killed on the way out): the coordinator sees its channel close
-        and replaces its ranks, as for a lost host, until drains hand them over at a step boundary."""
-        message = f"agent {self.host}: SIGTERM and no stop of the job within {LEAVE_GRACE_S:.0f} s: this host leaves"
-        print(message, file=sys.stderr, flush=True)
-        self.events.emit("host_leaving", grace_s=LEAVE_GRACE_S)
+        """This host leaves the job; what is left of it (idle spares, or workers that did not hand over in time) is
+        killed on the way out."""
+        left = sorted(self.processes)
+        handed_over = not any(n in self.generation.members or n in self.generation.departing for n in left)
+        how = "its ranks handed over" if handed_over else f"ranks not handed over within {self.job.drain_timeout_s} s"
+        print(f"agent {self.host}: this host leaves the job ({how})", file=sys.stderr, flush=True)
+        self.events.emit("host_leaving", handed_over=handed_over, killed=left)
         return EXIT_LEFT
 
     def _fence_self(self) -> None:
@@ -302,16 +317,23 @@ class Agent:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
                 self._report_exit(name)
 
+    def _report_exits(self) -> None:
+        """Report the exits seen, each once the worker's last report went through (or it never connected, or its
+        channel did not close within CONNECT_GRACE_S)."""
+        now = time.monotonic()
+        for name, seen_at in list(self.exited.items()):
+            if name in self.workers.closed or name not in self.workers.links or now - seen_at > CONNECT_GRACE_S:
+                self._report_exit(name)
+
     def _report_exit(self, name: str) -> None:
+        self.exited.pop(name, None)
         process = self.processes.pop(name, None)
         self.slots.pop(name, None)
         if process is None:
             return
         process.join(timeout=1.0)
         code = process.exitcode if process.exitcode is not None else -signal.SIGKILL
-        link = self.links.pop(name, None)
-        if link is not None:
-            link.close()
+        self.workers.forget(name)
         self.uplink.send(WorkerExited(worker=name, exit_code=code))
 
     def _relay(self, name: str, message) -> None:
@@ -320,12 +342,6 @@ class Agent:
             return
         self.uplink.send(message)
 
-    def _to_worker(self, name: str, link: Channel, message) -> None:
-        try:
-            link.send(message)
-        except ChannelClosed:
-            self.links.pop(name, None)
-
     def _signal(self, name: str, signum: int) -> None:
         process = self.processes.get(name)
         if process is not None and process.pid:
@@ -333,48 +349,6 @@ class Agent:
                 os.kill(process.pid, signum)
             except ProcessLookupError:
                 pass
-
-    # --- threads ------------------------------------------------------------------------------------------------
-
-    def _put(self, source: str | None, message) -> None:
-        self.inbox.put((source, message))
-        os.write(self._wake_w, b"x")
-
-    def _accept_workers(self) -> None:
-        while True:
-            sock, address = self.listener.accept()
-            threading.Thread(target=self._serve_worker, args=(sock, address), daemon=True).start()
-
-    def _serve_worker(self, sock: socket.socket, address) -> None:
-        try:
-            link = accept_channel(sock, secret=self.secret, peer=f"worker at {address}")
-            hello = link.recv()
-        except (ProtocolError, ChannelClosed) as error:
-            sock.close()
-            self.events.emit("control_refused", peer=str(address), reason=str(error))
-            return
-        name = getattr(hello, "name", "")
-        deadline = time.monotonic() + 1.0  # a worker may connect before `_start` has recorded its process
-        while (process := self.processes.get(name)) is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not isinstance(hello, Hello) or process is None or process.pid != hello.pid:
-            self.events.emit("control_refused", peer=str(address), reason=f"not a worker of this host: {hello}")
-            link.close()
-            return
-        name = hello.name
-        self.links[name] = link
-        # A worker connecting late learns what it missed.
-        if self.generation.number:
-            self._to_worker(name, link, self.generation)
-        if self.stop_at is not None:
-            self._to_worker(name, link, self.stop_at)
-        while True:
-            try:
-                message = link.recv()
-            except (ChannelClosed, ProtocolError) as error:
-                self.events.emit("link_closed", worker_name=name, reason=str(error))
-                return
-            self._put(name, message)
 
     def _kill_all(self) -> None:
         for name in list(self.processes):

@@ -17,6 +17,7 @@ from ckptless_core.protocol import (
     PROTOCOL_VERSION,
     ChannelClosed,
     CoordinatorHeartbeat,
+    Drain,
     Hello,
     HostHeartbeat,
     HostJob,
@@ -50,6 +51,7 @@ def build_host_job(spec: JobSpec, *, store_address: str, store_port: int) -> Hos
         coordinator_timeout_s=spec.ft.coordinator_timeout_s,
         lease_s=spec.ft.lease_s,
         host_timeout_s=spec.ft.host_timeout_s,
+        drain_timeout_s=spec.ft.drain_timeout_s,
     )
 
 
@@ -94,6 +96,8 @@ class AgentChannels:
                 self.events.emit("control_refused", peer=message.peer, reason=message.reason)
             elif isinstance(message, Hello):
                 self._admit(message, host)
+            elif isinstance(message, Drain):
+                self._drain_host(message, host)
             elif message is None:
                 self.lose_host(host, "its agent's channel closed", last_heard=received_at)
             elif host in self.membership.hosts:
@@ -137,6 +141,25 @@ class AgentChannels:
         elif membership.generation.number:
             host.capacity = self.per_host  # a replaced node: its slots take the spares owed
 
+    def _drain_host(self, request: Drain, channel) -> None:
+        """An operator drains a host (`python -m launcher drain`): it leaves at once (no grace to wait for a stop of
+        the whole job); its agent is told, and the operator answered (Drain: accepted, or Refused: why)."""
+        record = self.membership.hosts.get(request.host)
+        if record is None:
+            hosts = ", ".join(sorted(self.membership.hosts)) or "none"
+            answer = Refused(reason=f"no host {request.host!r} in this job (its hosts: {hosts})")
+        elif record.leaving:
+            answer = Refused(reason=f"host {request.host!r} is leaving already")
+        else:
+            self.membership.leave(request.host, at=time.monotonic(), why="command")
+            self.to_host(request.host, request)
+            answer = request
+        try:
+            channel.send(answer)
+        except ChannelClosed:
+            pass
+        channel.close()
+
     def _refusal(self, hello: Hello) -> str:
         """Why an agent is not admitted ('' if it is)."""
         if hello.version != str(PROTOCOL_VERSION):
@@ -164,13 +187,19 @@ class AgentChannels:
                 left.channel.close()
                 self.events.emit("host_left", host=host)
             return
-        self.events.emit("host_lost", host=host, detail=detail)
+        self.events.emit("host_left" if self._handed_over(host) else "host_lost", host=host, detail=detail)
         if last_heard is None:
             record = self.membership.hosts.get(host)
             last_heard = record.last_heard if record is not None else time.monotonic()
         lost = self.membership.lose_host(host, detail, last_heard=last_heard)
         if lost is not None:
             lost.channel.close()
+
+    def _handed_over(self, host: str) -> bool:
+        """`host` was leaving and none of its workers trains any more: it left (a drain), it was not lost."""
+        record, generation = self.membership.hosts.get(host), self.membership.generation
+        trains = any(self.membership.workers[n].host == host for n in generation.members)
+        return record is not None and record.leaving and record.handed_over and not trains
 
     def lose_silent_hosts(self, *, now: float, timeout_s: float) -> None:
         """Hosts whose agent sent nothing for `timeout_s` are lost (the coordinator's clock)."""

@@ -150,6 +150,11 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+SECRET_FILE = "control.secret"
+"""In the run directory, mode 0600: the job's secret (for agents started by hand or by a scheduler, and for
+`python -m launcher drain`)."""
+
+
 def write_secret_file(path: os.PathLike | str, secret: bytes) -> None:
     """Create the job's secret file readable by its owner only (0600), before any agent starts."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

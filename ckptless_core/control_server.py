@@ -3,7 +3,8 @@ connection on a thread of its own, reads each admitted agent's channel on anothe
 its time of receipt (the coordinator's clock), waking the coordinator's loop at once.
 
 Everything the coordinator learns comes out of `messages()` as (source, message, received_at): a new connection's
-`Hello` with its channel as the source; an agent's messages, then None when its channel closes, with its host
+`Hello` with its channel as the source; an operator's request (`Drain`) with its channel, to answer; an agent's
+messages, then None when its channel closes, with its host
 name; a `Refusal` for a connection or a frame that failed authentication or validation.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptless_core.channel import Channel, accept_channel
-from ckptless_core.protocol import ChannelClosed, Hello, ProtocolError
+from ckptless_core.protocol import ChannelClosed, Drain, Hello, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,17 @@ class ControlServer:
         try:
             channel = accept_channel(sock, secret=self.secret, peer=peer)
             hello = channel.recv()
-            if not isinstance(hello, Hello) or hello.role != "agent":
-                raise ProtocolError(f"{peer}: the first message must be an agent's Hello")
+            if not isinstance(hello, Hello) or hello.role not in ("agent", "operator"):
+                raise ProtocolError(f"{peer}: the first message must be an agent's or an operator's Hello")
+            if hello.role == "operator":
+                request = channel.recv()
+                if not isinstance(request, Drain):
+                    raise ProtocolError(f"{peer}: an operator's request must be a Drain, not {type(request).__name__}")
         except (ProtocolError, ChannelClosed) as error:
             sock.close()
             self.put(None, Refusal(peer=peer, reason=str(error)))
             return
-        self.put(channel, hello)
+        self.put(channel, request if hello.role == "operator" else hello)
 
     def _read(self, host: str, channel: Channel) -> None:
         while True:

@@ -36,9 +36,11 @@ from ckptless_core.job import JobOutcome, JobSpec, describe_exit
 from ckptless_core.journal import Journal, journal_path, read_journal
 from ckptless_core.layout import Layout
 from ckptless_core.membership import Membership
+from ckptless_core.moves import start_drains
 from ckptless_core.protocol import FenceWorker, Generation, StartWorker, StopAt, new_store_prefix
 from ckptless_core.rendezvous_store import RendezvousStore
 from ckptless_core.replacement import grow, largest_size, replace_lost
+from ckptless_core.stragglers import watch_stragglers
 
 
 class Coordinator:
@@ -73,6 +75,8 @@ class Coordinator:
         self.fault_times: dict[str, float] = {}
         """When a fault was injected into a worker (wall clock): its failure is timed from then (`note_fault_time`)."""
         self.stop_requested = False
+        self.stragglers: set[str] = set()
+        """Members reported as stragglers (`stragglers`)."""
         self.stop_reason: str | None = None
         """Why this coordinator stopped the job itself (every host leaving); None: it did not."""
 
@@ -227,7 +231,9 @@ class Coordinator:
             outcome = self._recover_from(failures)
             if outcome is not None:
                 return outcome
-        if self.ft.enabled:
+        if self.ft.enabled and 0 not in codes.values():  # (no spare is started for a job whose training is done)
+            start_drains(self)
+            watch_stragglers(self)
             self._replace_lost_spares()
             self._maybe_grow()
             self._start_owed_spares()

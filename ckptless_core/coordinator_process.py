@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ckptless_core.channel import SECRET_FILE, write_secret_file
 from ckptless_core.coordinator_address import write_coordinator_address
 from ckptless_core.events import EventLog
 from ckptless_core.faults import FaultEvent
@@ -153,6 +154,8 @@ class CoordinatorProcess:
         spec_path, _ = _paths(spec.run_dir)
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec.save(spec_path)
+        if not (spec.run_dir / SECRET_FILE).exists():  # (a kind whose agents read it wrote it already)
+            write_secret_file(spec.run_dir / SECRET_FILE, self.secret)
         self.events = EventLog(spec.run_dir / "events" / "launcher.jsonl", worker="launcher")
         self._spawn()
 

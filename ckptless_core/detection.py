@@ -5,6 +5,7 @@ Four ways, in the order they are asked:
 1. **Exits.** A worker that exited (its agent saw it at once), or went with its host (the agent's channel closed or
    fell silent for `ft.host_timeout_s`).
 2. **Silence.** A live worker that sent nothing for `ft.heartbeat_timeout_s` hangs (a stopped process): it is fenced.
+   Until its first message it is starting, bounded by the start timeout instead.
 3. **Stalls.** A step in which some rank has waited `ft.stall_timeout_s` inside the collective for ranks that do not
    arrive blames those ranks (`protocol.blame_stalled`), never the ranks waiting: they are fenced.
 4. **Reports.** A worker that reported an error it survived, once `ft.settle_s` passed (a process failure that
@@ -71,10 +72,13 @@ def find_failures(
     alive = [n for n in members if codes.get(n) is None and n not in failures]
     for name in alive:
         worker = membership.workers[name]
-        if not worker.pid:
-            # Not forked yet (its agent's fork server may still be importing): bounded by the start timeout.
+        if not worker.pid or not worker.spoke:
+            # Not forked yet (its agent's fork server may still be importing), or forked and still starting (its
+            # imports, its model: minutes on a loaded machine, not a hang): bounded by the start timeout.
             if now - worker.started_at > start_timeout_s:
                 detail = f"not started within {start_timeout_s:.0f} s (cluster.start_timeout_s)"
+                if worker.pid:
+                    fence(name)
                 failures[name] = Failure("start", detail, "start_timeout", last_seen=worker.started_at)
             continue
         heard_at = max(worker.last_heard, worker.started_at)

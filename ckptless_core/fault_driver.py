@@ -70,7 +70,8 @@ class FaultDriver:
                 self.strike_host(strike.event, worker.host)
             else:
                 coordinator.channels.to_host(worker.host, SignalWorker(worker=strike.worker, signum=strike.signum))
-                coordinator.note_fault_time(strike.worker, time.time())
+                if strike.event.kind != "slow":  # (a slow worker fails nothing: it is moved, or only reported)
+                    coordinator.note_fault_time(strike.worker, time.time())
             coordinator.events.emit(
                 "fault_injected",
                 kind=strike.event.kind,

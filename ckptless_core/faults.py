@@ -7,14 +7,14 @@ interrupt native code), `corrupt` (SIGRTMIN+2: the worker silently perturbs one 
 replicas' periodic checksum comparison must catch it), `segfault` (SIGRTMIN+3, which the worker turns into a real
 native crash, SIGSEGV, at its next forward), `kill_spare` (SIGKILL an idle spare), `kill_in_recovery` (SIGKILL a
 member while the next generation forms), `kill_sender` (SIGKILL the rank sending state), `kill_coordinator` (SIGKILL
-the coordinator's own process; a restarted one takes over), `kill_host` and `partition` (a whole host loses power,
-or its link for `duration_s`: carried out by whatever owns the hosts), `chaos` (SIGKILL a random rank at exponential
-intervals with mean `mtbf_s` from the first committed step, seeded: the same seed gives the same schedule in every
-ft mode).
+the coordinator's own process; a restarted one takes over), `slow` (SIGRTMIN+5: a straggler, its compute stretched
+by `factor` from then on), `kill_host` and `partition` (a whole host loses power, or its link for `duration_s`:
+carried out by whatever owns the hosts), `chaos` (SIGKILL a random rank at exponential intervals with mean `mtbf_s`
+from the first committed step, seeded: the same seed gives the same schedule in every ft mode).
 
-Only runs that configure `exception`, `corrupt` or `segfault` install a handler (`install_fault_handlers`), each on a
-real-time signal of its own: nothing else sends those, so a stray SIGUSR1/SIGUSR2 (Slurm's `--signal`, an operator)
-never changes the model.
+Only runs that configure `exception`, `corrupt`, `segfault`, `stuck` or `slow` install a handler
+(`install_fault_handlers`), each on a real-time signal of its own: nothing else sends those, so a stray
+SIGUSR1/SIGUSR2 (Slurm's `--signal`, an operator) never changes the model.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import ctypes
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,7 @@ KINDS = (
     "partition",
     "hang",
     "stuck",
+    "slow",
     "exception",
     "corrupt",
     "segfault",
@@ -64,6 +66,7 @@ SIGNALS = {
     "corrupt": signal.SIGRTMIN + 2,
     "segfault": signal.SIGRTMIN + 3,
     "stuck": signal.SIGRTMIN + 4,
+    "slow": signal.SIGRTMIN + 5,
     "kill_host": signal.SIGKILL,  # every process of the host at once, by whatever powers hosts (netns: the launcher)
     "partition": 0,  # no signal: the host's link goes down for `duration_s` (netns: by the launcher)
     "kill_spare": signal.SIGKILL,
@@ -96,6 +99,10 @@ class FaultEvent:
     """kill_host, partition: the training host (0-based) that loses power, or is cut off."""
     duration_s: float = 5.0
     """partition: how long the host's link stays down."""
+    factor: float = 3.0
+    """slow: how many times longer the worker's compute of each step takes (a straggler)."""
+    steps: int = 0
+    """slow: for how many steps (0: from then on)."""
     where: str = "compute"
     """stuck: where the rank's main thread blocks, `compute` (its forward/backward) or `collective` (the gradient
     all-reduce), while its process and heartbeat live. kill_coordinator, kill_host: `compute` (during a training
@@ -112,6 +119,11 @@ class FaultEvent:
             raise ValueError(f"fault.where={self.where!r}: choose compute (a training step) or recovery")
         if self.kind == "partition" and self.duration_s <= 0:
             raise ValueError(f"fault.duration_s={self.duration_s}: a partition lasts a positive time")
+        if self.kind == "slow" and (self.factor <= 1 or self.steps < 0):
+            raise ValueError(
+                f"fault.factor={self.factor}, fault.steps={self.steps}: a slow worker computes more than 1x as long, "
+                "for 0 (from then on) or more steps"
+            )
         if self.kind == "chaos" and self.mtbf_s <= 0:
             raise ValueError("chaos needs a positive mtbf_s")
 
@@ -218,10 +230,22 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
     of its submodules (still inside the step in progress when the signal lands mid-forward). `corrupt` silently adds
     1.0 to one element of the training state (`replica`'s first tensor, else `module`'s first parameter), between
     two Python operations of the main thread. `stuck` blocks the main thread
-    (heartbeats go on) in the next forward of any submodule, or at the next collective of `replica`."""
+    (heartbeats go on) in the next forward of any submodule, or at the next collective of `replica`. `slow` stretches
+    each step's compute by `factor` from then on (for `steps` steps, 0: all), sleeping in proportion to the compute
+    it measured (no CPU spent): the worker is slow, wherever its rank goes."""
     faults = list(faults)
     kinds = {event.kind for event in faults}
     requested = {"exception": False, "segfault": False, "stuck": False}
+    slow = next((event for event in faults if event.kind == "slow"), None)
+    slowed = {"since": None, "steps": 0}
+
+    def on_slow_signal(signum, frame) -> None:
+        slowed["since"] = slowed["since"] or time.monotonic()
+
+    def stretch(computed_s: float) -> None:
+        if slowed["since"] is not None and (not slow.steps or slowed["steps"] < slow.steps):
+            slowed["steps"] += 1
+            time.sleep((slow.factor - 1) * computed_s)
 
     def on_exception_signal(signum, frame) -> None:
         requested["exception"] = True
@@ -261,6 +285,9 @@ def install_fault_handlers(module: torch.nn.Module, *, faults: Iterable[FaultEve
         else:
             for submodule in module.modules():
                 submodule.register_forward_pre_hook(block_if_requested)
+    if slow is not None:
+        signal.signal(SIGNALS["slow"], on_slow_signal)
+        replica.add_compute_hook(stretch)
     if "exception" in kinds:
         signal.signal(SIGNALS["exception"], on_exception_signal)
         module.register_forward_pre_hook(raise_if_requested)

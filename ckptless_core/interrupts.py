@@ -34,6 +34,15 @@ class StopRequested(Exception):
     """The coordinator asked for a clean stop at a step boundary (preemption: SIGTERM to the launcher)."""
 
 
+class HandedOver(SystemExit):
+    """This worker handed its rank over in a planned move (its host drained, or it straggled) and leaves the job.
+    A SystemExit with status 0: a training script's loop ends there, and its process exits cleanly."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+
 def failure_cause(error: Exception) -> str:
     """How a failure that interrupted a step is recorded (`failure_noticed`'s `cause`): `generation_changed`,
     `peer_failure`, or `local_error` (raised by the training code itself)."""

@@ -39,6 +39,14 @@ class FaultToleranceSpec:
     coordinator_timeout_s: float = 60.0
     """Agents keep their workers this long without a coordinator (it died and is being restarted), then stop."""
     lease_s: float = 1.5
+    on_straggler: str = "off"
+    """`replace` (move a straggler's rank to a ready spare), `report`, or `off` (`stragglers`)."""
+    straggler_factor: float = 1.5
+    straggler_window_steps: int = 20
+    drain_grace_s: float = 60.0
+    """`on_no_spare=wait`: how long a leaving host keeps training for a spare to be ready before the job shrinks."""
+    drain_timeout_s: float = 120.0
+    """A leaving host's agent goes after this long even if its ranks were not handed over."""
     """A host that hears nothing from the coordinator this long while its workers commit no step fences them
     itself (cut off: its ranks are about to be replaced); below `host_timeout_s`."""
 

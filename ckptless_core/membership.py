@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from ckptless_core.events import EventLog
 from ckptless_core.journal import Journal
 from ckptless_core.protocol import (
+    LEAVE_GRACE_S,
     FailureReport,
     Generation,
     Heartbeat,
@@ -27,6 +28,9 @@ from ckptless_core.protocol import (
     WorkerStarted,
 )
 
+COMPUTE_KEPT = 256
+"""Steps of compute times kept per worker: the longest straggler window (`ft.straggler_window_steps`)."""
+
 
 @dataclass
 class WorkerRecord:
@@ -38,8 +42,12 @@ class WorkerRecord:
     pid: int = 0
     exit_code: int | None = None
     retired: bool = False
-    """No longer part of the job: a lost member, a lost spare, or a fenced worker."""
+    """No longer part of the job: a lost member, a lost spare, a fenced worker, or one that departs in a move."""
+    departing: bool = False
+    """It hands its rank over in a planned move (`moves`): it trains on until the step boundary, unheeded."""
     last_heard: float = 0.0
+    spoke: bool = False
+    """The worker itself sent something (a heartbeat, ...): until then it starts (imports, builds its model)."""
     ready: bool = False
     committed: tuple[int, int] | None = None
     """(generation, steps committed) of the latest `committed` marker."""
@@ -55,6 +63,8 @@ class WorkerRecord:
     failure: tuple[FailureReport, float] | None = None
     source_of: int = 0
     """The generation this worker announced itself as the state source of."""
+    compute_s: dict[int, float] = field(default_factory=dict)
+    """Its compute before the first collective, per step committed (`Progress.compute_s`), the last COMPUTE_KEPT."""
 
     @property
     def alive(self) -> bool:
@@ -73,7 +83,12 @@ class HostRecord:
     resent: bool = True
     """False while an agent that reconnected to a restarted coordinator resends its reports."""
     leaving: bool = False
-    """Its agent got SIGTERM (`Leaving`): the host goes unless the job stops first."""
+    """Its agent got SIGTERM (`Leaving`), or an operator drains it (`Drain`): the host goes unless the job stops
+    first."""
+    leaving_at: float = 0.0
+    """When its leaving counts from: a SIGTERM's `LEAVE_GRACE_S` later, a drain's at once."""
+    handed_over: bool = False
+    """The move of its ranks was published (or it had none): nothing more to decide for it."""
 
 
 class Membership:
@@ -145,6 +160,14 @@ class Membership:
                 worker.host_last_heard = last_heard
         return lost
 
+    def leave(self, host: str, *, at: float, why: str) -> None:
+        """`host` leaves the job from `at` on (coordinator's clock) unless the job stops first; `why`: `signal` (its
+        agent got SIGTERM) or `command` (`python -m launcher drain`)."""
+        record = self.hosts[host]
+        if not record.leaving:
+            record.leaving, record.leaving_at = True, at
+            self.events.emit("leaving_announced", host=host, by=why)
+
     def replay(self, record: dict) -> None:
         """One journal record, as a restarted coordinator reads it (records of other owners are skipped)."""
         op = record["op"]
@@ -176,10 +199,11 @@ class Membership:
             self._resent(host, message)
             return
         if isinstance(message, Leaving):
-            self.hosts[host].leaving = True
-            self.events.emit("leaving_announced", host=host)
+            self.leave(host, at=received_at + LEAVE_GRACE_S, why="signal")
             return
         worker = self.workers.get(getattr(message, "worker", ""))
+        if worker is not None and worker.departing and not isinstance(message, WorkerExited):
+            return  # (it reports until its step boundary: nothing to decide from it)
         if worker is None or worker.host != host or (worker.retired and not isinstance(message, WorkerExited)):
             # Not this host's worker, or one no longer in the job (fenced, lost): whatever it says changes nothing.
             if not isinstance(message, Heartbeat):
@@ -191,6 +215,7 @@ class Membership:
                 )
             return
         worker.last_heard = received_at
+        worker.spoke |= not isinstance(message, (WorkerStarted, WorkerExited))
         if isinstance(message, WorkerStarted):
             worker.pid = message.pid
             worker.started_at = received_at  # silence counts from the fork, not from the order (imports may delay it)
@@ -224,6 +249,9 @@ class Membership:
         worker.position_generation = message.generation
         if message.marker == "committed":
             worker.committed = (message.generation, message.step)
+            if message.compute_s > 0:
+                worker.compute_s[message.step] = message.compute_s
+                worker.compute_s.pop(message.step - COMPUTE_KEPT, None)
             if message.step > self.last_commit[0]:
                 self.last_commit = (message.step, received_at)
 
@@ -274,6 +302,6 @@ class Membership:
 
     def spare_host(self) -> str | None:
         """The live host with the most free slots (None: every host is full; a replaced node will bring some)."""
-        free = {h: self.hosts[h].capacity - self.live_processes(h) for h in self.hosts}
+        free = {h: self.hosts[h].capacity - self.live_processes(h) for h in self.hosts if not self.hosts[h].leaving}
         best = max(free, key=free.get, default=None)
         return best if best is not None and free[best] > 0 else None

@@ -39,9 +39,15 @@ class Generation:
     members: dict[str, int] = field(default_factory=dict)
     """Worker name -> data-parallel rank."""
     reason: str = "start"
-    """Why it began: `start`, `failure`, `grow`."""
+    """Why it began: `start`, `failure`, `grow`, `coordinator_restart`, or a planned move: `drain`, `straggler`."""
     store_prefix: str = ""
     """The c10d store prefix of this generation's process group: unguessable, so only members can rendezvous."""
+    after_step: int = 0
+    """A planned move: the members of the generation before keep training until they have committed this step, and
+    switch there, at a step boundary (nothing is replayed). 0: at once (a failure, a grow)."""
+    departing: list[str] = field(default_factory=list)
+    """Workers of the generation before that hand their ranks over in this one (a draining host's, a straggler's):
+    they stop at `after_step` and exit; their ranks' state comes from the holders of the same slices."""
 
     @property
     def world_size(self) -> int:
@@ -56,7 +62,7 @@ class Hello:
     """The first message on every channel: who connects, and what it was built from."""
 
     role: str
-    """`agent` (to the coordinator) or `worker` (to its agent)."""
+    """`agent` (to the coordinator), `worker` (to its agent), or `operator` (a command to the coordinator)."""
     name: str
     """Host name for an agent, worker name for a worker."""
     version: str
@@ -93,6 +99,8 @@ class HostJob:
     """How long the agent keeps its workers without a coordinator before it stops them and exits."""
     lease_s: float = 1.5
     """Silence of the coordinator after which a host whose workers commit nothing fences them (see above)."""
+    drain_timeout_s: float = 120.0
+    """A leaving host's agent goes after this long even if its ranks were not handed over (`ft.drain_timeout_s`)."""
     host_timeout_s: float = 2.0
     """Silence after which the coordinator takes a host for lost; an agent that hears nothing from the coordinator
     this long while its workers commit takes the coordinator for lost and looks for it again (`agent`)."""
@@ -199,6 +207,9 @@ class Progress:
     """Steps committed (the step in progress is `step + 1`)."""
     marker: str
     """One of MARKERS."""
+    compute_s: float = 0.0
+    """`committed`: the seconds the step computed before its first collective, which waits for the others (0: not
+    measured): a straggler's is longer than the others' (`stragglers`)."""
 
 
 @dataclass(frozen=True)
@@ -231,10 +242,28 @@ class Resent:
     """Every worker this agent started, exited ones included."""
 
 
+LEAVE_GRACE_S = 2.0
+"""How long a SIGTERM waits for a stop of the whole job before it counts as this host leaving. An agent tells the
+coordinator at once (`Leaving`). A SIGTERM meant for the whole job (`scancel`, a deleted JobSet, a process group's)
+reaches the coordinator too, or every agent, and the coordinator's stop (StopAt) then arrives within this; one that
+reaches this agent alone (an eviction, a drain, a spot notice) is its host leaving: the coordinator hands its ranks
+to spares at a step boundary (a planned move), its workers hand their state over and exit, and the agent goes once
+none of its workers trains (or after `ft.drain_timeout_s`, killing them: then taken for a lost host)."""
+
+
 @dataclass(frozen=True)
 class Leaving:
-    """Agent -> coordinator: SIGTERM reached this agent; its host leaves after `agent.LEAVE_GRACE_S` unless the job
-    stops meanwhile (the coordinator stops it when no host would be left to train on)."""
+    """Agent -> coordinator: SIGTERM reached this agent; its host leaves after `LEAVE_GRACE_S` unless the job stops
+    meanwhile (the coordinator stops it when no host would be left to train on)."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """An operator -> the coordinator (`python -m launcher drain`): hand `host`'s ranks to spares at a step
+    boundary and let it go; the coordinator answers with this message (accepted) or Refused, and tells the host's
+    agent the same, after which the agent leaves as after a SIGTERM."""
 
     host: str
 
@@ -244,6 +273,7 @@ MESSAGES: dict[str, type] = {
     for cls in (
         Hello,
         Leaving,
+        Drain,
         Welcome,
         Refused,
         StartWorker,

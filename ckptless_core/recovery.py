@@ -24,6 +24,7 @@ from ckptless_core.checksum import state_checksum
 from ckptless_core.collectives import init_process_group, rendezvous
 from ckptless_core.interrupts import (
     GenerationChanged,
+    HandedOver,
     PeerFailure,
     ReplicaDivergence,
     TrainingCodeError,
@@ -57,6 +58,14 @@ def recover(replica: Replica, error: Exception) -> None:
         replica, newer_than=replica.generation.number, timeout_s=replica.recovery_timeout_s
     )
     join_until_done(replica, generation, detected_at=detected_at)
+
+
+def move_on(replica: Replica) -> None:
+    """A planned move is due (this rank committed the boundary step of the newest generation): a worker whose rank
+    goes to another leaves the job (HandedOver); the others switch to the new generation at this step boundary,
+    with nothing to replay; one left out of it (a shrink) waits as a spare."""
+    generation = wait_for_membership(replica, newer_than=replica.generation.number, timeout_s=None)
+    join_until_done(replica, generation, detected_at=time.time())
 
 
 def join_until_done(replica: Replica, generation: Generation, *, detected_at: float) -> None:
@@ -93,6 +102,8 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
         link=replica.link,
         timeout_s=replica.recovery_timeout_s + replica.collective_timeout_s,
     )
+    if generation.after_step > replica.step:  # a newcomer waited for the members' step boundary: they trained
+        seen_at = detected_at = time.time()
     init_process_group(
         generation,
         worker=replica.env.worker,
@@ -146,7 +157,8 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
             receivers=list(result.receivers),
             bytes_moved=result.bytes_moved,
         )
-        replica.replay = (max(replica.interrupted_step, replica.step + 1), synced_at)
+        if not generation.after_step or replica.interrupted_step > replica.step:  # (a planned move replays nothing)
+            replica.replay = (max(replica.interrupted_step, replica.step + 1), synced_at)
     replica.events.emit("joined", generation=generation.number, world_size=generation.world_size, step=replica.step)
 
 
@@ -249,7 +261,8 @@ def standalone_generation(env: WorkerEnv) -> Generation:
 
 def wait_for_membership(replica: Replica, *, newer_than: int, timeout_s: float | None) -> Generation:
     """The next generation that names this worker. A member left out (a shrink keeps the lowest ranks) turns
-    into a spare and waits, as spares do, for as long as its agent lives."""
+    into a spare and waits, as spares do, for as long as its agent lives; one that departs in it leaves the job
+    (HandedOver)."""
     while True:
         try:
             generation = replica.link.wait_for_generation(
@@ -261,6 +274,14 @@ def wait_for_membership(replica: Replica, *, newer_than: int, timeout_s: float |
             continue  # an idle spare waits as long as its agent lives (it dies with it)
         if replica.env.worker in generation.members:
             return generation
+        if replica.env.worker in generation.departing:
+            replica.leave_generation()
+            replica.events.emit(
+                "handed_over", generation=generation.number, step=replica.step, reason=generation.reason
+            )
+            raise HandedOver(
+                f"{replica.env.worker} handed its rank over after step {replica.step} ({generation.reason})"
+            )
         if replica.generation.number > 0 and replica.valid:
             # Left out of a shrunken job: wait as a spare; its state will be stale when it is taken back.
             replica.valid = False

@@ -35,6 +35,7 @@ from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog
 from ckptless_core.interrupts import (
     GenerationChanged,
+    HandedOver,
     PeerFailure,
     ReplicaDivergence,
     StopRequested,
@@ -46,6 +47,7 @@ from ckptless_core.protocol import Generation, Progress, Ready
 from ckptless_core.recovery import (
     finish_replay,
     join_until_done,
+    move_on,
     process_resources,
     recover,
     standalone_generation,
@@ -55,6 +57,7 @@ from ckptless_core.recovery import (
 
 __all__ = [
     "GenerationChanged",
+    "HandedOver",
     "PeerFailure",
     "Replica",
     "ReplicaDivergence",
@@ -150,6 +153,12 @@ class Replica:
         """Collective work of this generation abandoned in flight."""
         self._collective_hooks: list[Callable[[], None]] = []
         """Called as the main thread enters each collective (`add_collective_hook`)."""
+        self._compute_hooks: list[Callable[[float], None]] = []
+        """Called as a step's compute ends (`add_compute_hook`)."""
+        self._computing_since: float | None = None
+        """When the step in progress began, until its first collective (its compute before waiting for others)."""
+        self.compute_s = 0.0
+        """The last step's compute before its first collective (0: not measured; see `_end_compute`)."""
         self.last_local_error: tuple | None = None
         """(step, error type, message) of the latest error raised by the training code itself."""
 
@@ -193,6 +202,11 @@ class Replica:
 
         interrupt_compute(module, check)
 
+    def add_compute_hook(self, hook: Callable[[float], None]) -> None:
+        """Call `hook(seconds computed)` as each step's compute ends, before its first collective (fault injection
+        stretches it there for `slow`: what it adds counts as compute)."""
+        self._compute_hooks.append(hook)
+
     def add_collective_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook` as the main thread enters each collective (fault injection blocks there for `stuck`)."""
         self._collective_hooks.append(hook)
@@ -219,9 +233,12 @@ class Replica:
         while True:
             if self.link is not None and self.link.stop_at is not None and self.step >= self.link.stop_at:
                 raise StopRequested(f"stop requested before step {self.step + 1}")
+            if self._move_due():
+                move_on(self)  # raises HandedOver where this worker's rank goes to another
             try:
                 if self._superseded():
                     raise GenerationChanged(f"generation {self.generation.number} ended")
+                self._computing_since = time.perf_counter()
                 self._mark("step_entered")
                 result = step_fn(self.step)
             except Exception as error:
@@ -245,6 +262,7 @@ class Replica:
     ) -> None:
         """Reduce `tensor` (a sum unless `op` says otherwise) over the generation's ranks (or over `group`, one made
         from this generation's), bounded by the collective timeout; a failure is a PeerFailure. See `collective`."""
+        self._end_compute()
         self._mark("collective_entered")
         for hook in self._collective_hooks:
             hook()
@@ -317,14 +335,41 @@ class Replica:
             self.link.close()
 
     def _superseded(self) -> bool:
-        """Whether the coordinator published a generation after this rank's (a local read of the agent link)."""
+        """Whether the coordinator published a generation after this rank's (a local read of the agent link) that
+        takes over at once. A planned one waits for its step boundary (`_move_due`)."""
         number = self.generation.number
-        return self.fault_tolerant and number > 0 and self.link.generation.number != number
+        newest = self.link.generation if self.fault_tolerant else None
+        return number > 0 and newest is not None and newest.number != number and not newest.after_step
+
+    def _move_due(self) -> bool:
+        """A planned move's generation was published and this rank committed its boundary step."""
+        number = self.generation.number
+        newest = self.link.generation if self.fault_tolerant else None
+        return number > 0 and newest is not None and newest.number != number and 0 < newest.after_step <= self.step
+
+    def _end_compute(self) -> None:
+        """The step's first collective: its compute ends here; the rest of the step waits for the others too. With
+        full replicas that is the gradient all-reduce, and `compute_s` measures this rank's speed (the coordinator
+        compares it across ranks: `stragglers`). Sharded (FSDP2), the model's own collectives start with its first
+        layer, so the time before this one includes waits for the others: not measured (0)."""
+        if self._computing_since is None:
+            return
+        for hook in self._compute_hooks:
+            hook(time.perf_counter() - self._computing_since)
+        self.compute_s = time.perf_counter() - self._computing_since if self.layout.shard == 1 else 0.0
+        self._computing_since = None
 
     def _mark(self, marker: str) -> None:
         if self.link is not None:
+            compute_s = self.compute_s if marker == "committed" else 0.0
             self.send(
-                Progress(worker=self.env.worker, generation=self.generation.number, step=self.step, marker=marker)
+                Progress(
+                    worker=self.env.worker,
+                    generation=self.generation.number,
+                    step=self.step,
+                    marker=marker,
+                    compute_s=compute_s,
+                )
             )
 
     def send(self, message) -> None:

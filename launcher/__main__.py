@@ -1,6 +1,11 @@
 import gc
 import sys
 
+if sys.argv[1:2] == ["drain"]:  # a command to a running job: without the launcher's imports
+    from launcher.drain import main
+
+    sys.exit(main(sys.argv[2:]))
+
 from launcher.cli import main
 
 code = main()

@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
+from ckptless_core.membership import COMPUTE_KEPT
 from launcher.clusters import KINDS, cluster_kind, is_scheduled
 from launcher.errors import ConfigError
 from recipes.data.sources import check_data_config
@@ -215,6 +216,18 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"ft.mode={ft.mode!r}: choose ft=ckptless, ft=checkpoint_restart or ft=none")
     if ft.on_no_spare not in ("shrink", "wait", "fail"):
         raise ConfigError(f"ft.on_no_spare={ft.on_no_spare!r}: choose shrink, wait or fail")
+    if ft.on_straggler not in ("replace", "report", "off"):
+        raise ConfigError(f"ft.on_straggler={ft.on_straggler!r}: choose replace, report or off")
+    if ft.mode != "ckptless" and ft.on_straggler != "off":
+        raise ConfigError(
+            f"ft.on_straggler={ft.on_straggler} needs ft=ckptless (its coordinator measures each rank's compute); "
+            f"ft={ft.mode} takes ft.on_straggler=off"
+        )
+    if ft.straggler_factor <= 1 or not 1 <= ft.straggler_window_steps <= COMPUTE_KEPT:
+        raise ConfigError(
+            f"ft.straggler_factor={ft.straggler_factor}, ft.straggler_window_steps={ft.straggler_window_steps}: a "
+            f"straggler is more than 1x as slow as the others' median, for 1 to {COMPUTE_KEPT} steps in a row"
+        )
     if ft.checkpoint_every != "auto" and not (isinstance(ft.checkpoint_every, int) and ft.checkpoint_every >= 0):
         raise ConfigError(f"ft.checkpoint_every={ft.checkpoint_every!r}: give a number of steps (0: none) or auto")
     if min(ft.spares, ft.max_failures_without_progress, ft.check_every, ft.max_restarts, ft.keep_checkpoints) < 0:
@@ -226,6 +239,11 @@ def validate_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"ft.mtbf_s={ft.mtbf_s} must be positive (the job's expected time between failures)")
     if ft.mode == "checkpoint_restart":
         _validate_checkpoint_restart(job)
+    if not 0 <= ft.drain_grace_s < ft.drain_timeout_s:
+        raise ConfigError(
+            f"ft.drain_grace_s={ft.drain_grace_s} must be at least 0 and below ft.drain_timeout_s={ft.drain_timeout_s}:"
+            " a leaving host's agent goes at ft.drain_timeout_s, spare or not"
+        )
     if ft.lease_s is not None and not 0 < ft.lease_s < ft.host_timeout_s:
         raise ConfigError(
             f"ft.lease_s={ft.lease_s} must be positive and below ft.host_timeout_s={ft.host_timeout_s}: a cut-off host "

@@ -3,7 +3,8 @@
 Goodput = committed steps x the fault-free step time / the wall time of the training phase. The fault-free step
 time is the median time from one committed step to the next, taken from a fault-free run of the same recipe and
 layout when one is given (`step_s`), else from this run (the median ignores the few slow steps around failures).
-The training phase runs from the first `train_start` to the last step committed. Spare overhead (spare-seconds
+The training phase runs from the first `train_start` to the last step committed. Planned moves (drains) are
+counted apart from failures: what each cost (its rebuild and transfer; nothing is detected or replayed). Spare overhead (spare-seconds
 held, as a share of worker-seconds) is reported beside goodput, not inside it.
 """
 
@@ -14,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from ckptless_core.events import read_events
-from launcher.summary import failures, recoveries, restarts
+from launcher.summary import failures, moves, recoveries, restarts
 from recipes.schema import load_config
 
 
@@ -49,6 +50,8 @@ def report_from_events(
     loads = [e for e in events if e["event"] == "checkpoint_loaded" and e["t"] >= started_at]
     spare_s = spares * wall_s
     failed = failures(events)
+    moved = [m for m in moves(events) if m["completed"]]
+    lost_per_move = [sum(m["time_s"].values()) for m in moved]
     return {
         "mode": mode,
         "world_size": world_size,
@@ -72,6 +75,13 @@ def report_from_events(
             for phase in ("detect_s", "rebuild_s", "transfer_s", "replay_s")
         },
         "redone_steps": sum(r.get("redone_steps", 0) for r in recovered if r["completed"]),
+        "moves": len(moved),
+        "moves_by_reason": dict(Counter(m["reason"] for m in moved)),
+        "lost_per_move_s": {
+            "median": statistics.median(lost_per_move) if lost_per_move else 0.0,
+            "max": max(lost_per_move, default=0.0),
+        },
+        "move_redone_steps": sum(m["redone_steps"] for m in moved),
         "checkpoint": {
             "count": len(writes),
             "write_s": statistics.mean(e["duration_s"] for e in writes) if writes else 0.0,

@@ -43,6 +43,13 @@ def format_report(report: dict, cost: dict, *, run_dir: Path) -> str:
             f"transfer {p['transfer_s']:.2f}, replay {p['replay_s']:.2f} s",
             f"  redone steps               {r['redone_steps']}",
         ]
+    if r["moves"]:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in r["moves_by_reason"].items())
+        lines += [
+            f"  planned moves              {r['moves']} ({reasons}), not failures: "
+            f"{r['lost_per_move_s']['median']:.2f} s lost per move median, {r['lost_per_move_s']['max']:.2f} s max "
+            f"(rebuild and transfer), {r['move_redone_steps']} step(s) redone",
+        ]
     every = f", every {k['every_steps']} steps" if k["every_steps"] else ""
     lines += [
         f"  checkpoint overhead        {k['overhead_s']:.2f} s ({k['count']} writes, {k['write_s']:.3f} s each{every})",
@@ -68,6 +75,8 @@ def short_form(report: dict) -> str:
             f"; {report['failures']} failure(s), {report['lost_per_failure_s']['median']:.2f} s lost per failure "
             "(median)"
         )
+    if report["moves"]:
+        text += f"; {report['moves']} planned move(s), {report['lost_per_move_s']['median']:.2f} s each (median)"
     if report["checkpoint"]["count"]:
         text += f"; checkpoint overhead {report['checkpoint']['overhead_s']:.2f} s"
     if report["spares"]:

@@ -155,6 +155,11 @@ def fault_tolerance_spec(job: JobConfig) -> FaultToleranceSpec:
         progress_deadline_s=job.ft.progress_deadline_s,
         coordinator_timeout_s=job.ft.coordinator_timeout_s,
         lease_s=job.ft.lease_s if job.ft.lease_s is not None else 0.75 * job.ft.host_timeout_s,
+        on_straggler=job.ft.on_straggler,
+        straggler_factor=job.ft.straggler_factor,
+        straggler_window_steps=job.ft.straggler_window_steps,
+        drain_grace_s=job.ft.drain_grace_s,
+        drain_timeout_s=job.ft.drain_timeout_s,
         on_no_spare=job.ft.on_no_spare,
         max_failures_without_progress=job.ft.max_failures_without_progress,
         world_sizes=tuple(

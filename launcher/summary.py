@@ -51,6 +51,8 @@ def build_summary(
         "final_world_size": final.get("world_size", world_size),
         "failures": failures(events),
         "recoveries": recoveries(events) if mode != "checkpoint_restart" else restarts(events),
+        "moves": moves(events),
+        "stragglers": stragglers(events),
         "coordinator_restarts": coordinator_restarts(events),
         "exit_codes": outcome.exit_codes,
         "errors": errors,
@@ -147,6 +149,59 @@ def recoveries(events: list[dict]) -> list[dict]:
                 }
         result.append(entry)
     return result
+
+
+def moves(events: list[dict]) -> list[dict]:
+    """Each planned move (a drain): the coordinator's `move_started` (the host, each departing worker and the spare
+    that took its rank, or None where the job shrank; the step boundary) and its generation's phases on the workers:
+    rebuild (the new process group) and transfer (the state to the spares). Nothing is detected or replayed: the
+    members switch at the boundary, so `redone_steps` is 0 unless the move was interrupted by a failure."""
+    phases = [e for e in events if e["event"] == "recovery_phase"]
+    result = []
+    for move in (e for e in events if e["event"] == "move_started"):
+        number = move["generation"]
+        mine = {
+            name: [e for e in phases if e["generation"] == number and e["phase"] == name]
+            for name in ("rebuild", "transfer")
+        }
+        entry = {
+            "generation": number,
+            "reason": move["reason"],
+            "host": move["host"],
+            "workers": move["moved"],
+            "after_step": move["after_step"],
+            "shrunk_to": move["shrunk_to"],
+            "completed": bool(mine["transfer"]),
+        }
+        if entry["completed"]:
+            entry |= {
+                "time_s": {name: max(e["duration_s"] for e in mine[name]) for name in mine},
+                "bytes_moved": sum(e["bytes_moved"] for e in mine["transfer"]),
+                "redone_steps": move["after_step"] - min(e["step"] for e in mine["transfer"]),
+                "world_size": len(mine["transfer"]),
+            }
+        result.append(entry)
+    return result
+
+
+def stragglers(events: list[dict]) -> list[dict]:
+    """Each straggler found: the worker, its rank and host, how many times the others' median compute it took (the
+    median over the window), and what was done (`moved`: its rank went to a spare)."""
+    moved = {name for e in events if e["event"] == "move_started" and e["reason"] == "straggler" for name in e["moved"]}
+    return [
+        {
+            "t": e["t"],
+            "worker": e["worker_name"],
+            "rank": e["rank"],
+            "host": e["host"],
+            "ratio": e["ratio"],
+            "window_steps": e["window_steps"],
+            "action": e["action"],
+            "moved": e["worker_name"] in moved,
+        }
+        for e in events
+        if e["event"] == "straggler_detected"
+    ]
 
 
 def restarts(events: list[dict]) -> list[dict]:
@@ -274,6 +329,23 @@ def describe_recoveries(summary: dict) -> list[str]:
             )
         else:
             lines.append(f"recovery to generation {r['generation']} was superseded by another failure")
+    for s in summary.get("stragglers", []):
+        done = "moved to a spare" if s["moved"] else "reported" + (" (no spare was ready)" * (s["action"] == "replace"))
+        lines.append(
+            f"straggler: {s['worker']} (rank {s['rank']}, {s['host']}) computed {s['ratio']:.1f}x the others' median "
+            f"for {s['window_steps']} steps in a row: {done}"
+        )
+    for m in summary.get("moves", []):
+        taken = ", ".join(f"{old} -> {new or 'nobody (shrunk)'}" for old, new in m["workers"].items())
+        if m["completed"]:
+            time_s = m["time_s"]
+            lines.append(
+                f"moved ({m['reason']} of {m['host']}): {taken} after step {m['after_step']} in "
+                f"{sum(time_s.values()):.2f} s (rebuild {time_s['rebuild']:.2f}, transfer {time_s['transfer']:.2f} s; "
+                f"{m['bytes_moved'] / 1e6:.1f} MB moved, {m['redone_steps']} step(s) redone)"
+            )
+        else:
+            lines.append(f"move ({m['reason']} of {m['host']}: {taken}) did not complete")
     for r in summary.get("coordinator_restarts", []):
         if r["completed"]:
             lines.append(

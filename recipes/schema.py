@@ -248,6 +248,21 @@ class FtConfig:
     """Expected mean time between failures of the whole job, for `checkpoint_every=auto`."""
     max_restarts: int = 10
     """`checkpoint_restart`: torchrun's `--max-restarts` (restarts of the whole worker group before failing)."""
+    on_straggler: str = "replace"
+    """A straggler (a rank whose compute takes `straggler_factor` times the median of the others' for
+    `straggler_window_steps` steps in a row): `replace` moves its rank to a ready spare at a step boundary (only
+    reported while none is ready), `report` reports it, `off`. `ft=none` and `ft=checkpoint_restart` accept `off` only."""
+    straggler_factor: float = 1.5
+    """How many times the median compute of the other ranks makes a rank slow."""
+    straggler_window_steps: int = 20
+    """For how many steps in a row a rank must be slow to be a straggler."""
+    drain_grace_s: float = 60.0
+    """A host leaving (SIGTERM to its agent, `python -m launcher drain`) when no spare is ready, under
+    `on_no_spare=wait`: it keeps training until a spare is ready or this long has passed; then the job shrinks."""
+    drain_timeout_s: float = 120.0
+    """A leaving host's agent goes after this long even if its ranks were not handed over (its workers killed: the
+    coordinator takes it for a lost host). What stops a host (Kubernetes' `terminationGracePeriodSeconds`, Slurm's
+    `KillWait`) must give it longer; above `drain_grace_s`."""
     check_every: int = 50
     """Every this many steps the replicas compare a checksum of their state; a rank outside the majority (ties:
     the lowest rank wins) is reported as corrupt and repaired from a peer. 0 disables."""

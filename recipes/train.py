@@ -30,7 +30,14 @@ from ckptless_core.faults import install_fault_handlers
 from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
-from ckptless_core.replica import Replica, StopRequested, TrainingCodeError, WorkerState, process_resources
+from ckptless_core.replica import (
+    HandedOver,
+    Replica,
+    StopRequested,
+    TrainingCodeError,
+    WorkerState,
+    process_resources,
+)
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, local_tensor, materialize_optimizer_state, state_tensors
 from recipes.data import (
@@ -449,6 +456,10 @@ def main(config_path: str | None = None) -> int:
         )
         train(job, replica, run_dir=run_dir, events=events)
         failed = False
+    except HandedOver as moved:  # a planned move took this worker's rank: it leaves the job cleanly
+        print(moved.message, flush=True)
+        failed = False
+        return 0
     except TrainingCodeError as error:
         traceback.print_exc()
         events.emit("worker_error", error=f"{type(error).__name__}: {error}")

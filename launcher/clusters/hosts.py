@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptless_core.channel import new_secret, write_secret_file
+from ckptless_core.channel import SECRET_FILE, new_secret, write_secret_file
 from ckptless_core.coordinator_process import CoordinatorProcess
 from launcher.clusters.workers import rank_commands
 from launcher.errors import ConfigError
@@ -15,8 +15,6 @@ from launcher.torchrun import TorchrunJob
 from recipes.schema import JobConfig
 from recipes.train import worker_preload
 
-SECRET_FILE = "control.secret"
-"""In the run directory, mode 0600: the job's secret, for the agents."""
 NO_TORCHRUN = (
     "ft=checkpoint_restart runs torchrun on cluster=local or cluster=netns; on cluster=hosts start torchrun "
     "on each host yourself, or use ft=ckptless"

@@ -433,8 +433,9 @@ def _pod_template(job: JobConfig, run_dir: Path, role: str, command: list[str]) 
             container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
     spec: dict = {
         "restartPolicy": "Never",  # a failed pod is replaced by a new one (podFailurePolicy needs it)
-        # A stop lets workers finish their step (and a final checkpoint) within the collective timeout.
-        "terminationGracePeriodSeconds": int(cluster.collective_timeout_s) + 30,
+        # A stop lets workers finish their step (and a final checkpoint) within the collective timeout; an evicted
+        # agent's host hands its ranks over within `ft.drain_timeout_s`.
+        "terminationGracePeriodSeconds": int(max(cluster.collective_timeout_s, job.ft.drain_timeout_s)) + 30,
         "affinity": {
             # The job's pods on distinct nodes where the cluster allows: a node lost then costs one host at most.
             "podAntiAffinity": {

@@ -32,11 +32,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckptless_core.channel import new_secret, write_secret_file
+from ckptless_core.channel import SECRET_FILE, new_secret, write_secret_file
 from ckptless_core.coordinator_address import coordinator_address_path
 from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.journal import journal_path, read_journal
-from launcher.clusters.hosts import SECRET_FILE
 from launcher.errors import EXIT_JOB_FAILED, ConfigError
 from launcher.torchrun import TorchrunJob
 from recipes.schema import JobConfig

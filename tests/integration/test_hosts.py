@@ -18,6 +18,7 @@ import pytest
 
 from ckptless_core import netns
 from ckptless_core.events import read_events, read_jsonl
+from launcher.goodput import goodput_report
 from tests.conftest import OFFLINE, THREE, TWO, read_summary
 
 STEPS = 24
@@ -112,20 +113,20 @@ def steps_committed(run_dir, worker: str) -> int:
     return sum(e["event"] == "step_committed" for e in read_jsonl(path)) if path.exists() else 0
 
 
-def strike_from_outside(token_cache, run_dir, strike, *, steps: int) -> dict:
+def strike_from_outside(token_cache, run_dir, strike, *overrides: str, steps: int) -> dict:
     """Run the job on emulated hosts (a spare host, no spare process), call `strike(launcher_pid)` once host1's
     worker has committed 4 steps, and return the summary of the job, which must complete."""
-    code, output = run_and_strike(token_cache, run_dir, strike, steps=steps)
+    code, output = run_and_strike(token_cache, run_dir, strike, *overrides, steps=steps)
     assert code == 0, output[-3000:]
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["steps"] == steps
     return summary
 
 
-def run_and_strike(token_cache, run_dir, strike, *, steps: int) -> tuple[int, str]:
+def run_and_strike(token_cache, run_dir, strike, *overrides: str, steps: int) -> tuple[int, str]:
     """The launcher's exit code and output, `strike(launcher_pid)` called once host1's worker committed 4 steps."""
     command = [sys.executable, "-m", "launcher", "recipe=tiny_llama", f"trainer.max_steps={steps}"]
-    command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}"]
+    command += ["trainer.print_every=100", *NETNS, "ft.spares=0", f"run.dir={run_dir}", *overrides]
     env = {**os.environ, **OFFLINE, "CKPTLESS_CACHE": str(token_cache), "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -163,7 +164,7 @@ def agent_pid(launcher_pid: int, host: int) -> int:
 
 
 LONG_STEPS = 60
-"""Long enough for a host to leave mid-run: its agent waits `agent.LEAVE_GRACE_S` before it goes."""
+"""Long enough for a host to leave mid-run: a SIGTERM waits `LEAVE_GRACE_S` for a stop of the whole job first."""
 
 
 @pytest.fixture(scope="module")
@@ -172,19 +173,78 @@ def fault_free_long(fault_free_hash):
 
 
 @needs_netns
-def test_a_sigterm_to_one_agent_alone_is_its_host_leaving_and_the_job_goes_on(token_cache, tmp_path, fault_free_long):
-    """An eviction or a spot notice reaches one host's agent, not the job: its ranks go to the spare host (as for a
-    lost host, until drains hand them over at a step boundary), never a stop of the whole job."""
+def test_a_sigterm_to_one_agent_alone_drains_its_host_with_no_step_lost(token_cache, tmp_path, fault_free_long):
+    """An eviction or a spot notice reaches one host's agent, not the job: its rank goes to the spare host at a step
+    boundary (a planned move, not a failure: nothing detected, nothing replayed), and the agent leaves once it is
+    handed over."""
     run_dir = tmp_path / "leaving"
 
     def sigterm_to_agent(launcher_pid: int) -> None:
         os.kill(agent_pid(launcher_pid, host=1), signal.SIGTERM)
 
     summary = strike_from_outside(token_cache, run_dir, sigterm_to_agent, steps=LONG_STEPS)
-    assert summary["param_sha256"] == fault_free_long
-    assert [f["kind"] for f in summary["failures"]] == ["host_lost"]
-    (left,) = [e for e in read_events(run_dir / "events") if e["event"] == "host_leaving"]
-    assert left["worker"] == "agent-host1"
+    check_drained(run_dir, summary, host="host1", by="signal", fault_free=fault_free_long)
+
+
+def check_drained(run_dir: Path, summary: dict, *, host: str, by: str, fault_free: str) -> None:
+    """`host` (one worker, rank 1) was drained to the spare host and the job completed with the fault-free
+    parameters."""
+    assert summary["param_sha256"] == fault_free
+    assert not summary["failures"] and not summary["recoveries"], summary
+    (move,) = summary["moves"]
+    assert move["reason"] == "drain" and move["host"] == host and move["completed"], move
+    assert list(move["workers"]) == ["worker1"] and move["workers"]["worker1"], move  # a spare of the spare host
+    assert move["redone_steps"] == 0 and move["bytes_moved"] > 0 and move["world_size"] == 2, move
+    events = read_events(run_dir / "events")
+    (announced,) = [e for e in events if e["event"] == "leaving_announced"]
+    assert announced["host"] == host and announced["by"] == by
+    (handed,) = [e for e in events if e["event"] == "handed_over"]
+    assert handed["worker"] == "worker1" and handed["step"] == move["after_step"]
+    (left,) = [e for e in events if e["event"] == "host_leaving"]
+    assert left["worker"] == f"agent-{host}" and left["handed_over"], left
+    assert [e["host"] for e in events if e["event"] == "host_left" and "detail" in e] == [host]  # (not at the end)
+    assert not [e for e in events if e["event"] in ("host_lost", "failure_noticed", "spare_promoted")]
+    report = goodput_report(run_dir)
+    assert report["moves"] == 1 and report["failures"] == 0 and report["move_redone_steps"] == 0, report
+
+
+@needs_netns
+def test_a_host_drained_with_no_spare_shrinks_the_job_at_a_step_boundary(token_cache, tmp_path):
+    """`ft.on_no_spare=shrink` (the default): the leaving host's rank is dropped at the boundary, the rank that stays
+    trains on with the whole global batch; nothing is detected or replayed."""
+    run_dir = tmp_path / "shrunk"
+    summary = strike_from_outside(
+        token_cache, run_dir, lambda pid: drain_command(run_dir, "host1"), "cluster.spare_hosts=0", steps=STEPS
+    )
+    assert not summary["failures"] and summary["final_world_size"] == 1, summary
+    (move,) = summary["moves"]
+    assert move["completed"] and move["shrunk_to"] == 1 and move["workers"] == {"worker1": None}, move
+    assert move["redone_steps"] == 0 and move["world_size"] == 1, move
+
+
+@needs_netns
+def test_python_m_launcher_drain_hands_a_hosts_ranks_over(token_cache, tmp_path, fault_free_long):
+    """An operator drains a host by name with the job's secret; a wrong name is refused, saying which hosts exist,
+    and a job that is not running says so."""
+    run_dir = tmp_path / "drained"
+    answers = []
+
+    def drain(launcher_pid: int) -> None:
+        answers.extend(drain_command(run_dir, host) for host in ("host7", "host1"))
+
+    summary = strike_from_outside(token_cache, run_dir, drain, steps=LONG_STEPS)
+    check_drained(run_dir, summary, host="host1", by="command", fault_free=fault_free_long)
+    unknown, accepted = answers
+    assert unknown.returncode == 2 and "no host 'host7' in this job (its hosts: host0, host1, host2)" in unknown.stderr
+    assert accepted.returncode == 0 and "draining host1" in accepted.stdout, accepted
+    assert oct((run_dir / "control.secret").stat().st_mode & 0o777) == "0o600"
+    ended = drain_command(run_dir, "host0")
+    assert ended.returncode == 3 and "no answer from the job's coordinator" in ended.stderr, ended
+
+
+def drain_command(run_dir: Path, host: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "launcher", "drain", str(run_dir), host]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
 @needs_netns

@@ -87,27 +87,33 @@ replica.close()
 """
 
 
+BUG_RUNS = 4
+"""Run at once, loading the machine: under load, a worker's exit once reached the coordinator before the report
+with its traceback (1 run in 8), and the job ended without it."""
+
+
 def test_a_bug_in_the_step_ends_the_job_with_its_traceback_and_spends_no_spare(tmp_path):
     script = tmp_path / "buggy.py"
     script.write_text(BUGGY_SCRIPT)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptless_core.run",
-            "--nproc",
-            "2",
-            "--spares",
-            "1",
-            "--run-dir",
-            str(run_dir),
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    runs = [
+        (
+            tmp_path / f"run{i}",
+            subprocess.Popen(
+                [sys.executable, "-m", "ckptless_core.run", "--nproc", "2", "--spares", "1"]
+                + ["--run-dir", str(tmp_path / f"run{i}"), str(script)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for i in range(BUG_RUNS)
+    ]
+    for run_dir, proc in runs:
+        stdout, stderr = proc.communicate(timeout=300)
+        _check_bug_run(run_dir, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+
+
+def _check_bug_run(run_dir, proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "Traceback" in proc.stderr and "ValueError: batch of step 3 has no labels" in proc.stderr
     assert "raised the same error again after a replay of step 4" in proc.stdout

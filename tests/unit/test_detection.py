@@ -18,6 +18,7 @@ from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR, FaultToleranceSpe
 from ckptless_core.journal import Journal, read_journal
 from ckptless_core.membership import HostRecord, Membership
 from ckptless_core.protocol import FailureReport, Generation, Heartbeat, Progress, Ready, WorkerExited, WorkerStarted
+from ckptless_core.stragglers import find_straggler
 
 FT = FaultToleranceSpec(enabled=True, heartbeat_timeout_s=10.0, stall_timeout_s=10.0, settle_s=0.3)
 
@@ -35,6 +36,7 @@ def job(tmp_path):
     membership.set_generation(Generation(number=1, members=members, store_prefix="x/gen1"))
     for name, worker in membership.workers.items():
         membership.record(worker.host, WorkerStarted(worker=name, pid=100, spare=worker.spare), 0.0)
+        membership.record(worker.host, Heartbeat(worker=name, generation=0), 0.0)
     yield membership
     membership.journal.close()
     membership.events.close()
@@ -83,6 +85,20 @@ def test_a_silent_worker_is_fenced_then_reported_as_hung(job):
     failures, fenced = detect(job, now=10.5)
     assert fenced == ["worker2"]
     assert failures == {"worker2": Failure("hang", "no heartbeat for 10.5 s", "heartbeat", last_seen=0.0)}
+
+
+def test_a_worker_not_heard_from_since_its_fork_is_starting_and_bounded_by_the_start_timeout(tmp_path):
+    """Its imports and its model take minutes on a loaded machine: that is not a hang."""
+    membership = Membership(
+        journal=Journal(tmp_path / "journal.jsonl"), events=EventLog(tmp_path / "events.jsonl", worker="c"), num_hosts=1
+    )
+    membership.hosts["a"] = HostRecord(name="a", channel=None, last_heard=0.0)
+    name = membership.add_worker("a", spare=False)
+    membership.set_generation(Generation(number=1, members={name: 0}, store_prefix="x/gen1"))
+    membership.record("a", WorkerStarted(worker=name, pid=100, spare=False), 0.0)
+    assert detect(membership, now=250.0) == ({}, [])
+    failures, fenced = detect(membership, now=301.0)
+    assert failures[name].detected_by == "start_timeout" and fenced == [name]
 
 
 def test_without_fault_tolerance_only_exits_count(job):
@@ -172,3 +188,28 @@ def test_a_restarted_coordinator_rebuilds_the_same_membership_from_the_journal(j
         n: (w.host, w.spare, w.retired) for n, w in job.workers.items()
     }
     assert replayed.spares_owed == 1 and replayed.next_worker_id == 5
+
+
+def commit(membership: Membership, worker: str, step: int, compute_s: float) -> None:
+    relay(membership, Progress(worker=worker, generation=1, step=step, marker="committed", compute_s=compute_s), 1.0)
+
+
+def test_a_straggler_is_slower_than_the_others_median_on_every_step_of_the_window(job):
+    for step in range(1, 21):
+        for name in ("worker0", "worker1", "worker3"):
+            commit(job, name, step, 1.0 + 0.1 * (step % 3))  # the healthy ones vary from step to step
+        commit(job, "worker2", step, 2.0 if step > 10 else 1.0)
+    assert find_straggler(job, factor=1.5, window=10) == ("worker2", pytest.approx(2.0 / 1.1))
+    assert find_straggler(job, factor=1.5, window=11) is None  # slow for 10 steps only
+    assert find_straggler(job, factor=2.0, window=10) is None  # not that slow
+
+
+def test_a_machine_slowing_every_rank_alike_or_a_step_missing_makes_no_straggler(job):
+    for step in range(1, 21):
+        for name in ("worker0", "worker1", "worker2", "worker3"):
+            commit(job, name, step, 1.0 if step <= 10 else 3.0)  # every rank 3x slower from step 11
+    assert find_straggler(job, factor=1.5, window=10) is None
+    for step in range(21, 31):
+        for name in ("worker0", "worker1", "worker3"):  # worker2 reports nothing (sharded: not measured)
+            commit(job, name, step, 1.0)
+    assert find_straggler(job, factor=1.5, window=10) is None
