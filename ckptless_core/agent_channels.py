@@ -196,10 +196,10 @@ class AgentChannels:
             lost.channel.close()
 
     def _handed_over(self, host: str) -> bool:
-        """`host` was leaving and none of its workers trains any more: it left (a drain), it was not lost."""
+        """`host` was leaving and none of its workers trains (any more): it left (a drain), it was not lost."""
         record, generation = self.membership.hosts.get(host), self.membership.generation
         trains = any(self.membership.workers[n].host == host for n in generation.members)
-        return record is not None and record.leaving and record.handed_over and not trains
+        return record is not None and record.leaving and not trains
 
     def lose_silent_hosts(self, *, now: float, timeout_s: float) -> None:
         """Hosts whose agent sent nothing for `timeout_s` are lost (the coordinator's clock)."""

@@ -250,6 +250,41 @@ def test_an_agents_pod_killed_and_recreated_costs_the_job_nothing(submitted, fau
     assert not [e for e in events if e["event"] == "agent_refused"]
 
 
+def test_an_agents_pod_evicted_hands_its_rank_over_and_is_recreated(submitted, fault_free):
+    """An eviction or a node drain: SIGTERM reaches that agent's pod alone. Its rank goes to a spare at a step
+    boundary (a planned move: no failure, nothing replayed), the agent exits 4 once it is handed over, and the
+    JobSet recreates its Job: the new pod joins as a fresh host."""
+    jobset, run_dir = submitted
+    victim = jobset.agents[1]
+    evicted = []
+
+    def evict_and_recreate() -> None:
+        deadline = time.monotonic() + 120
+        while steps_committed(run_dir, "worker1") < KILL_AFTER_STEPS:
+            assert jobset.coordinator.host.process.poll() is None, jobset.logs()
+            assert time.monotonic() < deadline, "training never reached step 4:\n" + jobset.logs()
+            time.sleep(0.02)
+        os.kill(agent_pid(victim), signal.SIGTERM)
+        evicted.append(jobset.wait(victim, 60))
+        jobset.start(victim)
+
+    exits = run_to_the_end(jobset, strike=evict_and_recreate)
+    assert evicted == [4] and set(exits.values()) == {0}, jobset.logs()
+    summary = read_summary(run_dir)
+    assert summary["param_sha256"] == fault_free and not summary["failures"], summary
+    (move,) = summary["moves"]
+    assert move["reason"] == "drain" and move["host"] == f"{victim.name}-1" and move["redone_steps"] == 0, move
+    events = read_events(run_dir / "events")
+    assert f"{victim.name}-2" in {e.get("host") for e in events if e["event"] == "agent_joined"}
+
+
+def agent_pid(pod: Pod) -> int:
+    """The node agent in `pod` (not the wrappers that started it)."""
+    pids = subprocess.run(["ip", "netns", "pids", pod.host.netns], capture_output=True, text=True).stdout.split()
+    agent = [b"-m", b"ckptless_core.agent"]
+    return next(int(p) for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:3] == agent)
+
+
 def test_the_coordinators_pod_killed_and_recreated_resumes_the_job_from_its_journal(submitted, fault_free):
     """Its pod killed (its node up): Kubernetes starts it again; it resumes from the journal on the volume, says where
     it listens under the same Service name, every agent finds it again, and the job ends with the fault-free

@@ -18,10 +18,9 @@ from pathlib import Path
 from ckptless_core.events import read_events
 from tests.conftest import TWO, read_summary
 
-MOVED_STEPS = 40
-"""Slow from step 5: found after `ft.straggler_window_steps` (20) slow steps, moved two steps later, then at full
-speed to the end (the same as test_control's run: their reference is shared)."""
-SHORT_STEPS = 24
+STEPS = 24
+"""Slow from step 5: found after `ft.straggler_window_steps` (10 here) slow steps, moved two steps later, then at
+full speed to the end (the reference is shared with test_recovery's)."""
 
 
 def step_seconds(run_dir: Path) -> dict[int, float]:
@@ -31,11 +30,12 @@ def step_seconds(run_dir: Path) -> dict[int, float]:
 
 def test_a_straggler_is_moved_to_a_spare_and_the_steps_after_run_at_full_speed(launch, tmp_path, fault_free_hash):
     run_dir = tmp_path / "moved"
-    proc = launch("recipe=tiny_llama", f"trainer.max_steps={MOVED_STEPS}", "trainer.print_every=1000", *TWO,
-                  "fault=slow", "fault.rank=1", "fault.step=5", "fault.factor=3", f"run.dir={run_dir}")  # fmt: skip
+    proc = launch("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "trainer.print_every=1000", *TWO,
+                  "fault=slow", "fault.rank=1", "fault.step=5", "fault.factor=3", "ft.straggler_window_steps=10",
+                  f"run.dir={run_dir}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["param_sha256"] == fault_free_hash(MOVED_STEPS, *TWO)
+    assert summary["param_sha256"] == fault_free_hash(STEPS, *TWO)
     assert not summary["failures"] and not summary["recoveries"], summary
     (straggler,) = summary["stragglers"]
     assert straggler["worker"] == "worker1" and straggler["rank"] == 1 and straggler["moved"], straggler
@@ -46,18 +46,18 @@ def test_a_straggler_is_moved_to_a_spare_and_the_steps_after_run_at_full_speed(l
     assert "straggler: worker1 (rank 1, local) computed" in proc.stdout and "moved to a spare" in proc.stdout
     seconds = step_seconds(run_dir)
     slowed = statistics.median(seconds[s] for s in range(6, move["after_step"] + 1))
-    after = statistics.median(seconds[s] for s in range(move["after_step"] + 2, MOVED_STEPS + 1))
+    after = statistics.median(seconds[s] for s in range(move["after_step"] + 2, STEPS + 1))
     assert after < slowed / 1.5, (slowed, after)  # (the straggler's 3x, gone with it)
 
 
 def test_with_on_straggler_report_a_straggler_is_reported_and_keeps_its_rank(launch, tmp_path, fault_free_hash):
     run_dir = tmp_path / "reported"
-    proc = launch("recipe=tiny_llama", f"trainer.max_steps={SHORT_STEPS}", "trainer.print_every=1000", *TWO,
+    proc = launch("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "trainer.print_every=1000", *TWO,
                   "fault=slow", "fault.rank=1", "fault.step=5", "fault.factor=3", "ft.on_straggler=report",
                   "ft.straggler_window_steps=5", f"run.dir={run_dir}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["param_sha256"] == fault_free_hash(SHORT_STEPS, *TWO)
+    assert summary["param_sha256"] == fault_free_hash(STEPS, *TWO)
     (straggler,) = summary["stragglers"]
     assert straggler["worker"] == "worker1" and straggler["action"] == "report" and not straggler["moved"]
     assert not summary["moves"] and not summary["failures"], summary
@@ -74,7 +74,7 @@ def test_nothing_healthy_is_taken_for_a_straggler_or_failed_under_stress(launch,
     paused = threading.Thread(target=pause_the_agent_once, args=(run_dir,), daemon=True)
     try:
         paused.start()
-        proc = launch("recipe=tiny_llama", f"trainer.max_steps={SHORT_STEPS}", "trainer.print_every=1000", *TWO,
+        proc = launch("recipe=tiny_llama", f"trainer.max_steps={STEPS}", "trainer.print_every=1000", *TWO,
                       "fault=slow", "fault.rank=1", "fault.step=5", "fault.factor=3", "fault.steps=10",
                       f"run.dir={run_dir}")  # fmt: skip
     finally:
@@ -84,7 +84,7 @@ def test_nothing_healthy_is_taken_for_a_straggler_or_failed_under_stress(launch,
     paused.join(timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["param_sha256"] == fault_free_hash(SHORT_STEPS, *TWO)
+    assert summary["param_sha256"] == fault_free_hash(STEPS, *TWO)
     assert not summary["stragglers"] and not summary["moves"] and not summary["failures"], summary
     events = read_events(run_dir / "events")
     assert [e for e in events if e["event"] == "agent_paused"], "the agent was never paused"
