@@ -36,7 +36,7 @@ from ckptless_core.job import JobOutcome, JobSpec, describe_exit
 from ckptless_core.journal import Journal, journal_path, read_journal
 from ckptless_core.layout import Layout
 from ckptless_core.membership import Membership
-from ckptless_core.moves import start_drains
+from ckptless_core.moves import start_drains, watch_departures
 from ckptless_core.protocol import FenceWorker, Generation, StartWorker, StopAt, new_store_prefix
 from ckptless_core.rendezvous_store import RendezvousStore
 from ckptless_core.replacement import grow, largest_size, replace_lost
@@ -232,6 +232,7 @@ class Coordinator:
             if outcome is not None:
                 return outcome
         if self.ft.enabled and 0 not in codes.values():  # (no spare is started for a job whose training is done)
+            watch_departures(self)
             start_drains(self)
             watch_stragglers(self)
             self._replace_lost_spares()

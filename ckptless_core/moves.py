@@ -4,13 +4,12 @@ replayed.
 
 The coordinator publishes the next generation with `after_step` (the boundary: two steps past the most advanced
 report, as a clean stop picks it, so no member has passed it) and the leaving members as `departing`: every member
-trains on until it has committed that step, then the spares join in their ranks and receive the state from the
-members that hold the same slices, and the departing workers exit. Without a ready spare, `ft.on_no_spare` decides
-as after a failure: `shrink` (at the same boundary), `wait` (the host keeps training for up to `ft.drain_grace_s`
-while spares start elsewhere; then a shrink), `fail` (the job stops cleanly). A move whose ranks' state no member
-that stays holds (one copy of the state, all on the leaving host), or that leaves no host to train on, stops the job
-cleanly too. A move is not a failure: its events are `move_started` and the workers' `handed_over`, never
-`failure_detected`.
+trains on until it has committed that step, then each departing worker sends its state to the spare that takes its
+rank (`transfer.hand_over`: they are healthy, so nothing is detected or replayed) and exits. Without a ready spare,
+`ft.on_no_spare` decides as after a failure: `shrink` (at the same boundary, keeping a copy of every slice), `wait`
+(the host keeps training for up to `ft.drain_grace_s` while spares start elsewhere; then a shrink), `fail` (the job
+stops cleanly). A move that leaves no copy of some slice, or no host to train on, stops the job cleanly too. A move
+is not a failure: its events are `move_started` and the workers' `handed_over`, never `failure_detected`.
 """
 
 from __future__ import annotations
@@ -77,12 +76,10 @@ def move_ranks(coordinator: Coordinator, departing: list[str], *, reason: str, h
         largest_size=coordinator._largest_size,
         layout=layout,
     )
-    kept = {layout.shard_index(rank) for name, rank in generation.members.items() if name not in departing}
-    orphaned = [generation.members[n] for n in departing if layout.shard_index(generation.members[n]) not in kept]
-    if plan.abandon or orphaned:
-        why = f"no member that stays holds the state of rank(s) {orphaned}" if orphaned else plan.abandon
-        coordinator.stop_reason = f"host {host} is leaving and {why.replace('replace', 'take')}: the job stops cleanly"
-        coordinator.events.emit("move_refused", host=host, reason=coordinator.stop_reason)
+    if plan.abandon:
+        reason = f"host {host} is leaving and {plan.abandon.replace('replace', 'take')}: the job stops cleanly"
+        coordinator.stop_reason = reason
+        coordinator.events.emit("move_refused", host=host, reason=reason)
         return False
     for name in departing:
         membership.retire(name)
@@ -106,7 +103,7 @@ def move_ranks(coordinator: Coordinator, departing: list[str], *, reason: str, h
             reason=reason,
             store_prefix=new_store_prefix(number),
             after_step=after_step,
-            departing=departing,
+            departing={name: generation.members[name] for name in departing},
         )
     )
     return True
@@ -115,6 +112,21 @@ def move_ranks(coordinator: Coordinator, departing: list[str], *, reason: str, h
 def _staying_spares(membership) -> list[str]:
     """Ready spares on hosts that are not leaving."""
     return [s for s in membership.ready_spares() if _stays(membership, s)]
+
+
+def watch_departures(coordinator: Coordinator) -> None:
+    """A departing worker that died before it handed its state over (its move's generation still forming): the
+    spare that takes its rank waits for it in vain, so the generation is published again at once, without a
+    boundary (a recovery: the state comes from the copies that stay, or the newest disk checkpoint)."""
+    membership = coordinator.membership
+    generation = membership.generation
+    if not generation.after_step or not membership.recovering():
+        return
+    lost = [n for n in generation.departing if membership.workers[n].exit_code not in (None, 0)]
+    if lost:
+        coordinator.events.emit("handover_lost", workers=lost, generation=generation.number)
+        members = dict(generation.members)
+        coordinator._publish_next(members, reason="failure")
 
 
 def _start_spares(coordinator: Coordinator, wanted: int) -> None:

@@ -45,9 +45,10 @@ class Generation:
     after_step: int = 0
     """A planned move: the members of the generation before keep training until they have committed this step, and
     switch there, at a step boundary (nothing is replayed). 0: at once (a failure, a grow)."""
-    departing: list[str] = field(default_factory=list)
-    """Workers of the generation before that hand their ranks over in this one (a draining host's, a straggler's):
-    they stop at `after_step` and exit; their ranks' state comes from the holders of the same slices."""
+    departing: dict[str, int] = field(default_factory=dict)
+    """Workers of the generation before that hand their ranks over in this one (a draining host's, a straggler's),
+    with the rank each held: at `after_step` each sends its state to the spare that takes its rank in this one
+    (`transfer.hand_over`), then exits."""
 
     @property
     def world_size(self) -> int:

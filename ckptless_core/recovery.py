@@ -31,7 +31,7 @@ from ckptless_core.interrupts import (
     failure_cause,
 )
 from ckptless_core.protocol import FailureReport, Generation, SourceAnnounced
-from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, synchronize_state
+from ckptless_core.transfer import IntegrityError, NoHealthyReplica, TransferResult, hand_over, synchronize_state
 
 if TYPE_CHECKING:
     from ckptless_core.dist import WorkerEnv
@@ -123,6 +123,9 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
         reshard_s = time.perf_counter() - started
     rebuilt_at = time.time()
     index = replica.layout.shard_index(replica.rank)
+    handed = 0
+    if generation.after_step and replica.rank in generation.departing.values() and not replica.valid:
+        handed = receive_handover(replica, generation)  # a planned move: from the worker that held this rank
     # A slice is only ever trusted for the shard index it was trained as: equal-shaped slices never swap.
     valid = replica.valid and replica.held_slice in (None, index)
 
@@ -155,7 +158,7 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
             step=replica.step,
             source=result.source,
             receivers=list(result.receivers),
-            bytes_moved=result.bytes_moved,
+            bytes_moved=result.bytes_moved + handed,
         )
         if not generation.after_step or replica.interrupted_step > replica.step:  # (a planned move replays nothing)
             replica.replay = (max(replica.interrupted_step, replica.step + 1), synced_at)
@@ -275,19 +278,74 @@ def wait_for_membership(replica: Replica, *, newer_than: int, timeout_s: float |
         if replica.env.worker in generation.members:
             return generation
         if replica.env.worker in generation.departing:
-            replica.leave_generation()
-            replica.events.emit(
-                "handed_over", generation=generation.number, step=replica.step, reason=generation.reason
-            )
-            raise HandedOver(
-                f"{replica.env.worker} handed its rank over after step {replica.step} ({generation.reason})"
-            )
+            depart(replica, generation)
         if replica.generation.number > 0 and replica.valid:
             # Left out of a shrunken job: wait as a spare; its state will be stale when it is taken back.
             replica.valid = False
             replica.leave_generation()
             replica.events.emit("demoted_to_spare", generation=generation.number)
         newer_than, timeout_s = generation.number, None
+
+
+def depart(replica: Replica, generation: Generation) -> None:
+    """This worker departs in `generation` (a planned move): at the step boundary, holding trusted state, it sends it
+    to the spare that takes its rank (`transfer.hand_over`); then it leaves the job (HandedOver). Off the boundary
+    (a failure came first) it just leaves: the generation's copies serve."""
+    replica.leave_generation()
+    rank = generation.departing[replica.env.worker]
+    started, moved = time.time(), 0
+    taken = rank in generation.members.values()
+    if generation.after_step == replica.step and replica.valid and taken:
+        try:
+            group = handover_group(replica, generation, rank=rank, sending=True)
+            _, moved = hand_over(replica.tensors, step=replica.step, group=group, sending=True)
+        except RuntimeError as error:  # the taker died meanwhile: the next generation serves it from elsewhere
+            replica.events.emit("handover_failed", generation=generation.number, error=str(error)[:500])
+    replica.events.emit(
+        "handed_over",
+        generation=generation.number,
+        step=replica.step,
+        reason=generation.reason,
+        bytes_moved=moved,
+        duration_s=time.time() - started,
+    )
+    raise HandedOver(f"{replica.env.worker} handed rank {rank} over after step {replica.step} ({generation.reason})")
+
+
+def receive_handover(replica: Replica, generation: Generation) -> int:
+    """A spare taking a departing worker's rank in a planned move: receive the state from it (see `depart`); the
+    bytes received (0: it never came, and the generation's copies serve, `synchronize_state`)."""
+    try:
+        group = handover_group(replica, generation, rank=replica.rank, sending=False)
+        if group is None:
+            return 0
+        replica.step, moved = hand_over(replica.tensors, step=0, group=group, sending=False)
+    except GenerationChanged:
+        raise
+    except RuntimeError as error:
+        replica.events.emit("handover_failed", generation=generation.number, error=str(error)[:500])
+        return 0
+    replica.valid, replica.held_slice = True, replica.layout.shard_index(replica.rank)
+    return moved
+
+
+def handover_group(replica: Replica, generation: Generation, *, rank: int, sending: bool) -> dist.ProcessGroup | None:
+    """The two-process group of the handover of `rank`, on the generation's store namespace: the sender says it is
+    there first (at its step boundary, which may be steps away); a taker waits for that, up to the recovery timeout,
+    unless the generation is superseded meanwhile (the coordinator publishes a new one if the sender dies first:
+    `moves.watch_departures`)."""
+    prefix = f"{generation.store_prefix}/handover/{rank}"
+    if sending:
+        replica.store.set(f"{prefix}/ready", b"1")
+    deadline = time.monotonic() + replica.recovery_timeout_s
+    while not sending and not replica.store.check([f"{prefix}/ready"]):
+        if replica.link.generation.number != generation.number:
+            raise GenerationChanged(f"generation {generation.number} was superseded during a handover")
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+    timeout = timedelta(seconds=replica.recovery_timeout_s)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, replica.store), int(not sending), 2, timeout)
 
 
 def replay_once(replica: Replica, error: Exception) -> None:

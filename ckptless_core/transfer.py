@@ -150,6 +150,44 @@ def synchronize_state(
     return TransferResult(step=target, source=source, receivers=receivers, bytes_moved=bytes_moved)
 
 
+def hand_over(
+    tensors: dict[str, torch.Tensor], *, step: int, group: dist.ProcessGroup, sending: bool
+) -> tuple[int, int]:
+    """Move the state between two processes outside any generation's process group: a worker leaving in a planned
+    move (group rank 0, `sending`) to the spare that takes its rank (group rank 1), both holding the same slice's
+    layout. First the step and the layout's fingerprint (a receiver of another layout refuses, and both stop), then
+    the buckets, then the checksum of what was sent, which the receiver checks (IntegrityError). Returns (the step
+    of the state, the bytes moved)."""
+    header = torch.tensor([step, layout_fingerprint(tensors)], dtype=torch.int64)
+    dist.broadcast(header, group=group, group_src=0)
+    agreed = torch.tensor([int(sending or int(header[1]) == layout_fingerprint(tensors))], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not int(agreed):
+        raise IntegrityError("the leaving worker and its taker hold different state layouts")
+    step, sums, moved = int(header[0]), [], 0
+    with torch.no_grad():
+        for bucket in _buckets(tensors):
+            if sending or len(bucket) == 1:
+                flat = _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
+            else:
+                flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+            dist.broadcast(flat, group=group, group_src=0)
+            if not sending and len(bucket) > 1:
+                offset = 0
+                for tensor in bucket:
+                    size = _raw(tensor).numel()
+                    _raw(tensor).copy_(flat[offset : offset + size])
+                    offset += size
+            sums += [tensor_sums(tensor) for tensor in bucket]
+            moved += flat.numel()
+    checksum = torch.tensor([fold(sums, salt=step)], dtype=torch.int64)
+    theirs = checksum.clone()
+    dist.broadcast(theirs, group=group, group_src=0)
+    if int(theirs) != int(checksum):
+        raise IntegrityError(f"the state handed over for step {step} failed its checksum")
+    return step, moved
+
+
 BUCKET_BYTES = 4 * 2**20
 """State moves in buckets of about this size: neighbouring small tensors packed into one message, a bigger tensor
 alone and without a copy. Up to IN_FLIGHT buckets are on the wire at once, so packing on the sender and unpacking

@@ -285,7 +285,8 @@ def _lines(result: dict) -> list[str]:
     lines = [
         f"{result['layout']}; {result['steps']} steps; events at steps {result['event_steps']}",
         "",
-        "| host 1, 5 times | time lost per event | by phase | steps redone | goodput | final hash = fault-free |",
+        f"| host 1, {len(result['event_steps'])} times | time lost per event | by phase | steps redone | goodput | "
+        "final hash = fault-free |",
         "| --- | --- | --- | --- | --- | --- |",
         f"| drained | {_list(d['time_lost_s'])} | rebuild {_list(d['rebuild_s'])}, transfer {_list(d['transfer_s'])} "
         f"| {d['redone_steps']} | {d['goodput'] * 100:.1f} % | {'yes' if d['param_sha256_equal'] else 'NO'} |",

@@ -185,23 +185,25 @@ def test_a_sigterm_to_one_agent_alone_drains_its_host_with_no_step_lost(token_ca
         os.kill(agent_pid(launcher_pid, host=1), signal.SIGTERM)
 
     summary = strike_from_outside(token_cache, run_dir, sigterm_to_agent, steps=LONG_STEPS)
-    check_drained(run_dir, summary, host="host1", by="signal", fault_free=fault_free_long)
+    check_drained(run_dir, summary, host="host1", by="signal", fault_free=fault_free_long, departing=["worker1"])
 
 
-def check_drained(run_dir: Path, summary: dict, *, host: str, by: str, fault_free: str) -> None:
-    """`host` (one worker, rank 1) was drained to the spare host and the job completed with the fault-free
-    parameters."""
+def check_drained(run_dir: Path, summary: dict, *, host: str, by: str, fault_free: str, departing: list[str]) -> None:
+    """`host` (holding the ranks of `departing`) was drained to the spare host, each departing worker sending its
+    state to the spare that took its rank, and the job completed with the fault-free parameters."""
     assert summary["param_sha256"] == fault_free
     assert not summary["failures"] and not summary["recoveries"], summary
     (move,) = summary["moves"]
     assert move["reason"] == "drain" and move["host"] == host and move["completed"], move
-    assert list(move["workers"]) == ["worker1"] and move["workers"]["worker1"], move  # a spare of the spare host
-    assert move["redone_steps"] == 0 and move["bytes_moved"] > 0 and move["world_size"] == 2, move
+    assert sorted(move["workers"]) == departing and all(move["workers"].values()), move  # spares of the spare host
+    assert move["redone_steps"] == 0 and move["world_size"] == 2, move
     events = read_events(run_dir / "events")
     (announced,) = [e for e in events if e["event"] == "leaving_announced"]
     assert announced["host"] == host and announced["by"] == by
-    (handed,) = [e for e in events if e["event"] == "handed_over"]
-    assert handed["worker"] == "worker1" and handed["step"] == move["after_step"]
+    handed = [e for e in events if e["event"] == "handed_over"]
+    assert sorted(e["worker"] for e in handed) == departing and {e["step"] for e in handed} == {move["after_step"]}
+    # The state came from the leaving workers themselves, none from the ranks that stayed.
+    assert sum(e["bytes_moved"] for e in handed) == move["bytes_moved"] > 0, (handed, move)
     (left,) = [e for e in events if e["event"] == "host_leaving"]
     assert left["worker"] == f"agent-{host}" and left["handed_over"], left
     assert [e["host"] for e in events if e["event"] == "host_left" and "detail" in e] == [host]  # (not at the end)
@@ -226,19 +228,21 @@ def test_a_host_drained_with_no_spare_shrinks_the_job_at_a_step_boundary(token_c
 
 @needs_netns
 def test_python_m_launcher_drain_hands_a_hosts_ranks_over(token_cache, tmp_path, fault_free):
-    """An operator drains a host by name with the job's secret; a wrong name is refused, saying which hosts exist,
-    and a job that is not running says so."""
+    """An operator drains a host by name with the job's secret: here the one training host, whose two workers hold
+    the only copies of the state (no rank stays to send it). A wrong name is refused, saying which hosts exist, and
+    a job that is not running says so."""
     run_dir = tmp_path / "drained"
     answers = []
 
     def drain(launcher_pid: int) -> None:
-        answers.extend(drain_command(run_dir, host) for host in ("host7", "host1"))
+        answers.extend(drain_command(run_dir, host) for host in ("host7", "host0"))
 
-    summary = strike_from_outside(token_cache, run_dir, drain, steps=STEPS)  # (a drain by command is at once)
-    check_drained(run_dir, summary, host="host1", by="command", fault_free=fault_free)
+    one_host = ("cluster.num_hosts=1", "cluster.nproc_per_host=2")
+    summary = strike_from_outside(token_cache, run_dir, drain, *one_host, steps=STEPS)  # (at once: 24 steps do)
+    check_drained(run_dir, summary, host="host0", by="command", fault_free=fault_free, departing=["worker0", "worker1"])
     unknown, accepted = answers
-    assert unknown.returncode == 2 and "no host 'host7' in this job (its hosts: host0, host1, host2)" in unknown.stderr
-    assert accepted.returncode == 0 and "draining host1" in accepted.stdout, accepted
+    assert unknown.returncode == 2 and "no host 'host7' in this job (its hosts: host0, host1)" in unknown.stderr
+    assert accepted.returncode == 0 and "draining host0" in accepted.stdout, accepted
     assert oct((run_dir / "control.secret").stat().st_mode & 0o777) == "0o600"
     ended = drain_command(run_dir, "host0")
     assert ended.returncode == 3 and "no answer from the job's coordinator" in ended.stderr, ended
