@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import shutil
+import typing
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
 from ckptless_core.faults import FaultEvent
@@ -344,12 +347,43 @@ def recipe_launch_line(recipe: str) -> str:
 
 
 def _explain(error: Exception) -> str:
-    """Hydra's message, plus the underlying OmegaConf reason when Hydra wraps one."""
+    """An unknown key or option said as such, with what was likely meant; else Hydra's message, plus the underlying
+    OmegaConf reason when Hydra wraps one."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+            section, _, name = cause.full_key.rpartition(".")
+            siblings = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == section]
+            prefix = f"{section}." if section else ""
+            return _unknown(f"key {cause.full_key}", name, siblings, "docs/config.md lists every key", prefix=prefix)
+        if isinstance(cause, MissingConfigException) and cause.missing_cfg_file and cause.options:
+            group, _, option = str(cause.missing_cfg_file).rpartition("/")
+            known = [str(name) for name in cause.options]
+            return _unknown(f"{group} option {option!r}", option, known, f"{group} options: {', '.join(known)}")
+        cause = cause.__cause__ or cause.__context__
     message = str(error).split("Config search path:")[0].strip()
     cause = error.__cause__
     if cause is not None and str(cause).strip() and str(cause).strip() not in message:
         message = f"{message}\n{str(cause).strip()}"
     return message
+
+
+def _unknown(what: str, name: str, known: list[str], listing: str, *, prefix: str = "") -> str:
+    """`unknown <what>; did you mean <prefix><the closest known name>? (<listing>)`."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"unknown {what}" + (f"; did you mean {prefix}{close[0]}?" if close else "") + f" ({listing})"
+
+
+def schema_keys(schema: type = JobConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (`trainer.max_steps`, ...), as the command line names them."""
+    keys = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        key = f"{prefix}{field.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[field.name]):
+            keys += schema_keys(hints[field.name], prefix=f"{key}.")
+    return keys
 
 
 def _cuda_available() -> bool:

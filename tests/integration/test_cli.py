@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.clusters.workers import WORKER_LINES_SHOWN
+
 
 def test_help_lists_recipes_and_groups(launch):
     proc = launch("--help", fresh_interpreter=True)
@@ -37,20 +39,25 @@ def test_dry_run_plans_a_big_model_and_writes_nothing(launch, tmp_path, recipe, 
     assert proc.returncode == 0, proc.stderr
     assert total in proc.stdout and active in proc.stdout and layout in proc.stdout
     assert "AdamW state" in proc.stdout and "tokens/step" in proc.stdout
-    assert proc.stdout.count("python -m recipes.train") == nproc
+    if nproc <= WORKER_LINES_SHOWN + 2:
+        assert proc.stdout.count("python -m recipes.train") == nproc
+    else:  # a large job's plan shows the first workers, how many more, the last
+        assert proc.stdout.count("python -m recipes.train") == WORKER_LINES_SHOWN + 1
+        assert f"... {nproc - WORKER_LINES_SHOWN - 1} more workers like these ..." in proc.stdout
+        assert f"RANK={nproc - 1} " in proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
 BAD_INPUTS = {
-    "unknown key": (["trainer.max_stepz=3"], "max_stepz"),
-    "unknown key added with +": (["+trainer.foo=3"], "foo"),
+    "unknown key": (["trainer.max_stepz=3"], "unknown key trainer.max_stepz; did you mean trainer.max_steps?"),
+    "unknown key added with +": (["+trainer.foo=3"], "unknown key trainer.foo (docs/config.md lists every key)"),
     "unknown model field": (["+model.hf_config.hiden_size=3"], "hiden_size"),
     "wrong type": (["trainer.max_steps=many"], "max_steps"),
-    "unknown recipe": (["recipe=tiny_lama"], "tiny_lama"),
+    "unknown recipe": (["recipe=tiny_lama"], "unknown recipe option 'tiny_lama'; did you mean tiny_llama?"),
     "missing data file": (["data=text_files", "data.paths=[/no/such/file.txt]"], "/no/such/file.txt"),
     "text files without paths": (["data=text_files"], "data.paths"),
     "world size does not divide the batch": (["cluster.nproc=3"], "global_batch_size"),
-    "unknown cluster": (["cluster=pbs"], "cluster/pbs"),
+    "unknown cluster": (["cluster=pbs"], "unknown cluster option 'pbs' (cluster options: hosts, k8s, local,"),
     "unknown cluster kind": (["cluster.kind=kubernetes"], "kubernetes"),
     "model too big for the machine": (["recipe=llama3_8b"], "GiB"),
     "spares under the checkpoint-restart baseline": (["ft=checkpoint_restart", "ft.spares=1"], "ft.spares=0"),
