@@ -44,16 +44,15 @@ def _drain(coordinator: Coordinator, host: HostRecord, *, now: float) -> None:
     departing = sorted(
         (n for n in generation.members if membership.workers[n].host == host.name), key=generation.members.get
     )
-    host.handed_over = True
-    if not departing:  # a host of spares: they go with it, and spares owed start elsewhere
-        return
     on_no_spare = ft.on_no_spare
-    if on_no_spare == "wait" and len(_staying_spares(membership)) < len(departing):
+    if departing and on_no_spare == "wait" and len(_staying_spares(membership)) < len(departing):
         if now - host.leaving_at < ft.drain_grace_s:
-            host.handed_over = False
             _start_spares(coordinator, len(departing))
             return
         on_no_spare = "shrink"  # waited `ft.drain_grace_s`
+    host.handed_over = True
+    if not departing:  # a host of spares: they go with it, and spares owed start elsewhere
+        return
     if not move_ranks(coordinator, departing, reason="drain", host=host.name, on_no_spare=on_no_spare):
         coordinator.request_stop()
 

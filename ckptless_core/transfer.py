@@ -167,17 +167,10 @@ def hand_over(
     step, sums, moved = int(header[0]), [], 0
     with torch.no_grad():
         for bucket in _buckets(tensors):
-            if sending or len(bucket) == 1:
-                flat = _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
-            else:
-                flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+            flat = _packed(bucket) if sending else _landing(bucket)
             dist.broadcast(flat, group=group, group_src=0)
-            if not sending and len(bucket) > 1:
-                offset = 0
-                for tensor in bucket:
-                    size = _raw(tensor).numel()
-                    _raw(tensor).copy_(flat[offset : offset + size])
-                    offset += size
+            if not sending:
+                _unpack(bucket, flat)
             sums += [tensor_sums(tensor) for tensor in bucket]
             moved += flat.numel()
     checksum = torch.tensor([fold(sums, salt=step)], dtype=torch.int64)
@@ -203,7 +196,7 @@ def _send(tensors: dict[str, torch.Tensor], *, step: int, identity: int, to: int
     sums: list[torch.Tensor] = []
     sent = 0
     for bucket in _buckets(tensors):
-        flat = _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
+        flat = _packed(bucket)
         in_flight.append(dist.isend(flat, to))
         sums += [tensor_sums(tensor) for tensor in bucket]
         sent += flat.numel()
@@ -224,10 +217,7 @@ def _receive(tensors: dict[str, torch.Tensor], *, step: int, identity: int, sour
     sums: list[torch.Tensor] = []
 
     def post(bucket: list[torch.Tensor]) -> None:
-        if len(bucket) == 1:
-            flat = _raw(bucket[0])
-        else:
-            flat = torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+        flat = _landing(bucket)
         posted.append((bucket, flat, dist.irecv(flat, source)))
 
     with torch.no_grad():
@@ -238,12 +228,7 @@ def _receive(tensors: dict[str, torch.Tensor], *, step: int, identity: int, sour
             request.wait()
             if index + IN_FLIGHT < len(buckets):
                 post(buckets[index + IN_FLIGHT])
-            if len(bucket) > 1:
-                offset = 0
-                for tensor in bucket:
-                    size = _raw(tensor).numel()
-                    _raw(tensor).copy_(flat[offset : offset + size])
-                    offset += size
+            _unpack(bucket, flat)
             sums += [tensor_sums(tensor) for tensor in bucket]
     trailer = torch.zeros(2, dtype=torch.int64)
     dist.recv(trailer, source)
@@ -263,6 +248,29 @@ def _buckets(tensors: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:
         buckets[-1].append(tensor)
         size += nbytes
     return buckets
+
+
+def _packed(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """What a sender puts on the wire for `bucket`: a lone tensor's own bytes, else the tensors' bytes in one copy."""
+    return _raw(bucket[0]) if len(bucket) == 1 else torch.cat([_raw(t) for t in bucket])
+
+
+def _landing(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """Where a receiver takes `bucket` in: a lone tensor's own bytes (in place), else a buffer to `_unpack`."""
+    if len(bucket) == 1:
+        return _raw(bucket[0])
+    return torch.empty(sum(_raw(t).numel() for t in bucket), dtype=torch.uint8, device=bucket[0].device)
+
+
+def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a received buffer into the tensors of `bucket` (nothing to do for a lone tensor: received in place)."""
+    if len(bucket) == 1:
+        return
+    offset = 0
+    for tensor in bucket:
+        size = _raw(tensor).numel()
+        _raw(tensor).copy_(flat[offset : offset + size])
+        offset += size
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
