@@ -16,7 +16,6 @@ every restart.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -110,11 +109,20 @@ class Checkpointer:
         coordinator = not distributed or dist.get_rank(group) == 0
         try:
             if background:
-                self.writing = dcp.async_save(payload, **options)
+                saving = dcp.async_save(payload, **options)
                 blocked_s = time.perf_counter() - started
-                self.writing.add_done_callback(
-                    lambda done: self._finish(done, step, partial, coordinator, started, blocked_s)
-                )
+                # Waited for once finished, not once saved: a future's waiters wake before its callbacks run, and
+                # the checkpoint only exists once the callback has renamed it into place.
+                finished: Future = Future()
+
+                def finish(done: Future) -> None:
+                    try:
+                        self._finish(done, step, partial, coordinator, started, blocked_s)
+                    finally:
+                        finished.set_result(None)
+
+                saving.add_done_callback(finish)
+                self.writing = finished
                 return blocked_s
             future: Future = Future()
             future.set_result(dcp.save(payload, **options))
@@ -127,8 +135,7 @@ class Checkpointer:
     def wait(self, timeout_s: float = 600.0) -> None:
         """Until the write in progress (if any) has ended, however it ended."""
         if self.writing is not None:
-            with contextlib.suppress(*_failures()):  # a failed write was reported by its callback already
-                self.writing.result(timeout=timeout_s)
+            self.writing.result(timeout=timeout_s)  # (a failed write was reported by its callback)
             self.writing = None
 
     def _finish(

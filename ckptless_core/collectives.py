@@ -20,6 +20,10 @@ from ckptless_core.dist import WorkerEnv
 from ckptless_core.interrupts import GenerationChanged, PeerFailure
 from ckptless_core.protocol import Generation
 
+CONNECT_TIMEOUT_S = 20.0
+"""The longest a generation's process groups may take to connect once every member has passed its rendezvous (they
+connect in milliseconds): a member lost in between costs this, not the collective timeout, as connecting cannot be
+interrupted when the generation is superseded."""
 WAIT_SLICE = timedelta(milliseconds=20)
 """How often a rank waiting in a collective looks up from it: the longest a new generation goes unnoticed there."""
 _PARKED: list = []
@@ -54,20 +58,27 @@ def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | N
 
 
 def init_process_group(
-    generation: Generation, *, worker: str, backend: str, store: dist.Store, timeout_s: float
-) -> None:
-    """The default process group of `generation`, on its own namespace of `store`."""
+    generation: Generation, *, worker: str, backend: str, store: dist.Store, timeout_s: float, checkpoint_group: bool
+) -> dist.ProcessGroup | None:
+    """The default process group of `generation`, on its own namespace of `store`, and with `checkpoint_group` a gloo
+    group of the same members for checkpoint writes (returned). Connecting may take CONNECT_TIMEOUT_S at most; the
+    groups' collectives then time out after `timeout_s`."""
     # The default group's store keys are named after a per-process counter that only a successful
     # destroy_process_group resets: after a join whose init failed (a member lost while the group connected),
     # this rank would wait on keys its peers never write, in every later generation.
     dist.distributed_c10d._world.group_count = 0
+    connect = timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
     dist.init_process_group(
         backend=backend,
         store=dist.PrefixStore(generation.store_prefix, store),
         rank=generation.members[worker],
         world_size=generation.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=connect,
     )
+    group = dist.new_group(backend="gloo", timeout=connect) if checkpoint_group else None
+    for connected in [None] if group is None else [None, group]:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), connected)
+    return group
 
 
 def wait_in_slices(

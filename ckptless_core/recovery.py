@@ -104,18 +104,16 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
     )
     if generation.after_step > replica.step:  # a newcomer waited for the members' step boundary: they trained
         seen_at = detected_at = time.time()
-    init_process_group(
+    replica.checkpoint_group = init_process_group(
         generation,
         worker=replica.env.worker,
         backend=replica.backend,
         store=replica.store,
         timeout_s=replica.collective_timeout_s,
+        checkpoint_group=state.checkpointer is not None,
     )
     replica.generation = generation
     replica.events.rank = replica.rank
-    if state.checkpointer is not None:
-        timeout = timedelta(seconds=replica.collective_timeout_s)
-        replica.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
     reshard_s = 0.0
     if state.reshard is not None:
         started = time.perf_counter()

@@ -226,10 +226,12 @@ class Replica:
         self.valid = not self.env.spare and state.restore_from is None
         join_until_done(self, generation, detected_at=time.time())
 
-    def run_step(self, step_fn: Callable[[int], T], *, check: bool = False) -> T:
+    def run_step(self, step_fn: Callable[[int], T], *, check: bool = False) -> T | None:
         """Run `step_fn(self.step)` until it commits; on a failure, recover and run the same step again. The copies
         of the state are compared after every `check_every`-th step, and after this one if `check` (a disk
-        checkpoint of it comes next: it then holds checked state)."""
+        checkpoint of it comes next: it then holds checked state). None: the step was committed by the other ranks
+        (this one failed in its last collective, which they completed) and this rank received its state."""
+        entered_at = self.step
         while True:
             if self.link is not None and self.link.stop_at is not None and self.step >= self.link.stop_at:
                 raise StopRequested(f"stop requested before step {self.step + 1}")
@@ -245,6 +247,8 @@ class Replica:
                 if not self.fault_tolerant:
                     raise
                 recover(self, error)
+                if self.step > entered_at:
+                    return None  # what comes after this step (an evaluation, a checkpoint) is due on every rank
                 continue
             self.step += 1
             # Progress is reported in every mode: the coordinator's fault injector and stall detection read it.
@@ -256,6 +260,20 @@ class Replica:
                 except Exception as error:
                     recover(self, error)
             return result
+
+    def evaluate(self, evaluate_fn: Callable[[], T]) -> T:
+        """Run `evaluate_fn()` (forward passes and collectives on the committed state, which it must not change: a
+        validation loss) on every rank after the same step, until it completes; a failure during it is recovered
+        from as a step's is, then it runs again, on the state of the same step."""
+        while True:
+            try:
+                if self._superseded():
+                    raise GenerationChanged(f"generation {self.generation.number} ended")
+                return evaluate_fn()
+            except Exception as error:
+                if not self.fault_tolerant:
+                    raise
+                recover(self, error)
 
     def all_reduce(
         self, tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = dist.ReduceOp.SUM

@@ -26,6 +26,13 @@ Common fields: trainer.max_steps, seed, run.dir, run.overwrite, cluster.nproc, d
   trainer.global_batch_size, trainer.micro_batch_size, optim.lr,
   model.pretrained=<dir>, tokenizer.path=<dir>, model.hf_config.<field>. docs/config.md has the full reference.
 
+Commands:
+  python -m launcher ls                        recipes, tasks, data sources, clusters, ft modes and faults
+  python -m launcher cp <recipe> <my.yaml>     a recipe to edit, every field written out; run it: recipe=my.yaml
+  python -m launcher validate <overrides>      compose and check a job as a launch would; nothing is started
+  python -m launcher drain <run dir> <host>    hand a running job's host over to spares and let it go
+  python -m launcher export <run dir>          a LoRA run's adapters merged into its base, ready to serve
+
 After a run:
   python -m launcher.report <run dir>    goodput table, time lost per failure by phase, cost in accelerator-hours,
                                          money and energy (--price-per-hour, --watts), timeline picture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import shutil
 import typing
@@ -14,7 +15,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from ckptless_core.checkpoint import checkpoint_dirs
@@ -23,11 +24,12 @@ from ckptless_core.membership import COMPUTE_KEPT
 from launcher.clusters import KINDS, cluster_kind, is_scheduled
 from launcher.errors import ConfigError
 from recipes.data.sources import check_data_config
-from recipes.schema import ClusterConfig, JobConfig, OptimConfig
+from recipes.schema import ClusterConfig, JobConfig, LoggingConfig, OptimConfig
 
 CONFIG_MODULE = "configs"
 VALID_PRECISIONS = ("fp32", "bf16")
 VALID_BACKENDS = ("auto", "gloo", "nccl")
+VALID_WANDB_MODES = ("offline", "online")
 FAULT_KINDS_WITHOUT_RANK = ("chaos", "kill_sender", "kill_spare", "kill_coordinator")
 """Fault kinds whose target is not a rank `fault.rank` names: chosen while the job runs (a random rank, the state
 sender, a spare) or not a worker (the coordinator); every other kind strikes the rank it names."""
@@ -43,13 +45,27 @@ class ComposedJob:
     """The composed config as YAML (what `--cfg job` prints)."""
 
 
+FILE_RECIPE = "_from_file"
+"""The name a recipe file (`recipe=path/to/my.yaml`) is composed under, beside the packaged recipes."""
+
+
+def is_recipe_file(value: str) -> bool:
+    """`recipe=` names a file rather than a packaged recipe: the value has a `/` or ends in `.yaml`."""
+    return "/" in value or value.endswith((".yaml", ".yml"))
+
+
 def compose_job(overrides: list[str]) -> ComposedJob:
-    """Compose `configs/config.yaml` with command-line overrides; unknown keys and wrong types are refused."""
+    """Compose `configs/config.yaml` with command-line overrides; unknown keys and wrong types are refused. A recipe
+    may be a YAML file (`recipe=my.yaml`, as `python -m launcher cp` writes one): composed as a packaged recipe is,
+    and named after the file."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    overrides, recipe_file = _register_recipe_file(overrides)
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
         recipe = str(cfg.hydra.runtime.choices.recipe)
+        if recipe_file is not None:
+            recipe = recipe_file.stem
         with read_write(cfg), open_dict(cfg):
             del cfg["hydra"]
         # Re-merging into the schema refuses keys that `+key=value` overrides slipped past struct mode.
@@ -65,6 +81,29 @@ def compose_job(overrides: list[str]) -> ComposedJob:
         job.ft.coordinator_timeout_s = kind.COORDINATOR_TIMEOUT_S
     validate(job)
     return ComposedJob(job=job, recipe=recipe, yaml=OmegaConf.to_yaml(cfg))
+
+
+def _register_recipe_file(overrides: list[str]) -> tuple[list[str], Path | None]:
+    """A `recipe=<file>` override: the file read and stored as the recipe `FILE_RECIPE`, and the override pointed at
+    it. ConfigError when the file is missing or not a YAML mapping."""
+    for i, override in enumerate(overrides):
+        key, _, value = override.partition("=")
+        if key != "recipe" or not is_recipe_file(value):
+            continue
+        path = Path(value).expanduser().absolute()
+        if not path.is_file():
+            raise ConfigError(
+                f"recipe file {path} not found; python -m launcher cp <recipe> {value} writes one to edit"
+            )
+        try:
+            node = OmegaConf.load(path)
+        except (OSError, OmegaConfBaseException, ValueError) as error:
+            raise ConfigError(f"recipe file {path} is not valid YAML: {error}") from None
+        if not isinstance(node, DictConfig):
+            raise ConfigError(f"recipe file {path} must hold a mapping of config fields (model:, trainer:, ...)")
+        ConfigStore.instance().store(group="recipe", name=FILE_RECIPE, node=node, package="_global_")
+        return [*overrides[:i], f"recipe={FILE_RECIPE}", *overrides[i + 1 :]], path
+    return overrides, None
 
 
 def refuse_other_kinds_options(cluster: ClusterConfig) -> None:
@@ -149,10 +188,27 @@ def validate(job: JobConfig) -> None:
     if cluster.collective_timeout_s <= 0 or cluster.start_timeout_s <= 0:
         raise ConfigError("cluster.collective_timeout_s and cluster.start_timeout_s must be positive")
     validate_fault_tolerance(job)
+    validate_logging(job.logging)
     if job.resume is not None and not checkpoint_dirs(Path(job.resume) / "checkpoints"):
         raise ConfigError(
             f"resume={job.resume}: no disk checkpoint there (checkpoints/step_N/); resume needs a run that had "
             "ft.checkpoint_every set"
+        )
+
+
+def validate_logging(logging: LoggingConfig) -> None:
+    """The chart backends asked for are installed here (they are imported only once the job runs) and W&B's mode is
+    one it has."""
+    for package, enabled in (("tensorboard", logging.tensorboard), ("wandb", logging.wandb)):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"logging.{package}=true needs the {package} package, which this Python lacks: pip install {package} "
+                f"(or set logging.{package}=false)"
+            )
+    if logging.wandb_mode not in VALID_WANDB_MODES:
+        raise ConfigError(
+            f"logging.wandb_mode={logging.wandb_mode!r}: choose offline (no network; upload later with wandb sync) "
+            "or online"
         )
 
 

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="the job's run directory")
     parser.add_argument("host", help="the host to drain, as the job names it (events/, `agent_joined`)")
     parser.add_argument("--secret-file", type=Path, help=f"the job's secret (default: <run dir>/{SECRET_FILE})")
-    options = parser.parse_args(argv)
+    options = parser.parse_args(argv[1:])
     run_dir = options.run_dir
     address = read_coordinator_address(run_dir / "coordinator" / "address")
     if not run_dir.is_dir() or address is None:

@@ -1,6 +1,7 @@
 """Goodput of a run, from its own events: how much of the training phase made progress, and where the rest went.
 
-Goodput = committed steps x the fault-free step time / the wall time of the training phase. The fault-free step
+Goodput = committed steps x the fault-free step time / the wall time of the training phase; time spent evaluating
+(`eval.every`) is shown apart, as evaluation, not as lost. The fault-free step
 time is the median time from one committed step to the next, taken from a fault-free run of the same recipe and
 layout when one is given (`step_s`), else from this run (the median ignores the few slow steps around failures).
 The training phase runs from the first `train_start` to the last step committed. Planned moves (drains) are
@@ -44,6 +45,7 @@ def report_from_events(
     measured_step_s = fault_free_step_s(events)
     step_s = measured_step_s if step_s is None else step_s
     productive_s = steps * step_s
+    evaluation_s = evaluation_time_s(events, since=started_at)
     recovered = restarts(events) if mode == "checkpoint_restart" else recoveries(events)
     lost_per_failure = [r["time_to_recover_s"] for r in recovered if r["completed"]]
     writes = [e for e in events if e["event"] == "checkpoint_written" and started_at <= e["t"] <= ended_at]
@@ -62,7 +64,8 @@ def report_from_events(
         "step_s_source": "this run" if step_s == measured_step_s else "given",
         "productive_s": productive_s,
         "goodput": productive_s / wall_s if wall_s > 0 else 1.0,
-        "lost_s": wall_s - productive_s,
+        "evaluation_s": evaluation_s,
+        "lost_s": max(0.0, wall_s - productive_s - evaluation_s),
         "failures": len(failed),
         "failure_times_s": [f["t"] - started_at for f in failed],
         "recoveries": recovered,
@@ -123,11 +126,21 @@ def _checkpoint_every(events: list[dict], writes: list[dict]) -> int:
     return int(statistics.median(gaps)) if gaps else 0
 
 
+def evaluation_time_s(events: list[dict], *, since: float) -> float:
+    """Seconds spent evaluating (`eval.every`): per evaluated step, the slowest rank's time, counted once (an
+    evaluation redone after a failure counts as the recovery's, not twice)."""
+    per_step: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "evaluated" and e["t"] >= since:
+            per_step[e["step"]] = max(per_step.get(e["step"], 0.0), e["eval_s"])
+    return sum(per_step.values())
+
+
 def cost_of(report: dict, *, price_per_hour: float, watts: float) -> dict:
     """What the time lost cost, in accelerator-hours, money and energy, for this run and per 1,000
     accelerator-hours of training; spares beside it."""
     lost_hours = report["lost_s"] * report["world_size"] / 3600.0
-    lost_share = 1.0 - report["goodput"]
+    lost_share = report["lost_s"] / report["train_wall_s"] if report["train_wall_s"] > 0 else 0.0
     return {
         "price_per_hour": price_per_hour,
         "watts": watts,

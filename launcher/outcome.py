@@ -53,7 +53,8 @@ def _one_line(summary: dict, run_dir: Path) -> str:
     if summary["status"] == "completed":
         return (
             f"completed {summary['steps']} steps in {summary['wall_s']:.1f} s, final loss {summary['final_loss']:.4f}, "
-            f"param_sha256 {summary['param_sha256'][:16]}..., outputs in {run_dir}"
+            + (f"val_loss {summary['val_loss']:.4f}, " if summary.get("val_loss") is not None else "")
+            + f"param_sha256 {summary['param_sha256'][:16]}..., outputs in {run_dir}"
         )
     if summary["status"] == "stopped":
         return f"stopped after step {summary['steps']}: {summary['message']}; outputs in {run_dir}"

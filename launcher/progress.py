@@ -31,7 +31,8 @@ class ConsoleProgress:
             record = json.loads(line)
             if self.bar is not None:
                 self.bar.update(record["step"] - self.bar.n)
-            if record["step"] % self.print_every == 0 or record["step"] == self.max_steps:
+            step = record["step"]
+            if step % self.print_every == 0 or step == self.max_steps or "val_loss" in record:
                 self._print(format_metrics(record, max_steps=self.max_steps))
             self.last = record
 
@@ -50,7 +51,15 @@ class ConsoleProgress:
 
 
 def format_metrics(record: dict, *, max_steps: int) -> str:
-    return (
-        f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {record['loss']:.4f} | "
-        f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | {record['elapsed_s']:.1f} s"
-    )
+    """A metrics line for the console; a line holds the training values, a validation loss, or both."""
+    parts = [f"step {record['step']:>{len(str(max_steps))}}/{max_steps}"]
+    if "loss" in record:
+        parts += [
+            f"loss {record['loss']:.4f}",
+            f"lr {record['lr']:.2e}",
+            f"{record['tokens_per_s']:,.0f} tok/s",
+            f"{record['elapsed_s']:.1f} s",
+        ]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    return " | ".join(parts)

@@ -3,7 +3,8 @@
     python -m launcher.report outputs/tiny_llama/<time> --price-per-hour 2.5 --watts 700
 
 Writes `<run_dir>/goodput.json` and `<run_dir>/timeline.png` (one row per worker, coloured by state).
-Give `--reference <fault-free run dir>` (or `--step-s`) to measure goodput against a fault-free run's step time.
+Give `--reference <fault-free run dir>` (or `--step-s`) to measure goodput against a fault-free run's step time, and
+`--trace trace.json` for the run's events as a Chrome trace (ui.perfetto.dev opens it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from ckptless_core.events import read_events
 from launcher.goodput import cost_of, fault_free_step_s, goodput_report
+from launcher.trace import write_trace
 
 DEFAULT_PRICE_PER_HOUR = 2.50
 """USD per accelerator-hour: a typical 2025-26 on-demand cloud price for one H100."""
@@ -32,6 +34,7 @@ def format_report(report: dict, cost: dict, *, run_dir: Path) -> str:
         f"  productive step time       {r['productive_s']:.1f} s = {r['steps']} steps x {r['step_s']:.4f} s "
         f"(fault-free step time, {r['step_s_source']})",
         f"  goodput                    {100 * r['goodput']:.1f} %",
+        *([f"  evaluation                 {r['evaluation_s']:.1f} s"] if r.get("evaluation_s") else []),
         f"  failures                   {r['failures']}",
     ]
     if r["failures"]:
@@ -93,19 +96,26 @@ def main(argv: list[str] | None = None) -> int:
     reference.add_argument("--reference", type=Path, help="a fault-free run of the same recipe and layout")
     reference.add_argument("--step-s", type=float, help="the fault-free step time, in seconds")
     parser.add_argument("--no-timeline", action="store_true", help="skip the timeline picture")
+    parser.add_argument("--trace", type=Path, help="also write the run's events here as a Chrome trace (Perfetto)")
     options = parser.parse_args(argv)
     for path in (options.run_dir, options.reference):
         if path is not None and not (path / "events").is_dir():
             parser.error(f"{path} is not a run directory (it has no events/ folder)")
     if options.price_per_hour < 0 or options.watts < 0 or (options.step_s is not None and options.step_s <= 0):
         parser.error("--price-per-hour and --watts must be 0 or more, --step-s positive")
+    if options.trace is not None and options.trace.is_dir():
+        parser.error(f"--trace {options.trace} is a folder: give the path of the file to write, e.g. trace.json")
     step_s = options.step_s
     if options.reference is not None:
         step_s = fault_free_step_s(read_events(options.reference / "events"))
+    events = read_events(options.run_dir / "events")
+    # Written first: the trace shows what a run did even when it committed no step to report on.
+    trace = write_trace(events, options.trace) if options.trace is not None else None
     try:
         report = goodput_report(options.run_dir, step_s=step_s)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {options.run_dir}: {error}", file=sys.stderr)
+        _print_trace(trace)
         return 2
     cost = cost_of(report, price_per_hour=options.price_per_hour, watts=options.watts)
     print(format_report(report, cost, run_dir=options.run_dir))
@@ -113,9 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     if not options.no_timeline:
         from launcher.timeline import plot_timeline
 
-        path = plot_timeline(read_events(options.run_dir / "events"), options.run_dir / "timeline.png")
+        path = plot_timeline(events, options.run_dir / "timeline.png")
         print(f"  timeline                   {path}")
+    _print_trace(trace)
     return 0
+
+
+def _print_trace(path: Path | None) -> None:
+    if path is not None:
+        print(f"  trace                      {path} (open it in ui.perfetto.dev)")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from ckptless_core.coordinator_process import CoordinatorProcess
 from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
 from launcher.clusters import Runner, cluster_kind, is_scheduled
 from launcher.follow import follow
+from launcher.loggers import start_charts
 from launcher.outcome import goodput_report, report_outcome
 from launcher.plan import threads_per_worker
 from launcher.progress import ConsoleProgress
@@ -82,14 +83,16 @@ def serve_job(
     while_running: Callable[[], None] | None = None,
 ) -> dict:
     """Where the job's coordinator runs (the launcher, or the coordinator a scheduler placed): start it, follow it
-    with progress on the console, stop it cleanly on Ctrl-C or SIGTERM, and write `summary.json` once it ended.
-    `while_running`: called about once a second meanwhile (a scheduler's kind replaces lost hosts)."""
+    with progress on the console and charts (`logging.*`), stop it cleanly on Ctrl-C or SIGTERM, and write
+    `summary.json` once it ended. `while_running`: called about once a second meanwhile (a scheduler's kind replaces
+    lost hosts)."""
     progress = ConsoleProgress(
         run_dir / "metrics.jsonl", max_steps=job.trainer.max_steps, print_every=job.trainer.print_every
     )
     # Both stop the job cleanly, whatever this process inherited: a launcher started in the background of a script
     # inherits SIGINT ignored, and a scheduler's or a user's `kill -INT` must still stop it (as torchrun's agent does).
     previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    charts = start_charts(job, run_dir=run_dir)
     try:
         start()
         outcome = _watch(runner, progress, while_running=while_running)
@@ -113,6 +116,7 @@ def serve_job(
     if summary["steps"]:
         summary["goodput"] = goodput_report(job, run_dir)["goodput"]
     write_summary(run_dir, summary)
+    charts.close()  # (after the summary: a second Ctrl-C while the charts finish leaves the outcome written)
     return summary
 
 

@@ -14,9 +14,12 @@ from recipes.schema import JobConfig
 RUN_OUTPUTS = (
     "config.yaml",
     "metrics.jsonl",
+    "metrics.held.json",
     "summary.json",
     "hf",
     "hf.partial",
+    "merged",
+    "merged.partial",
     "goodput.json",
     "timeline.png",
     "events",
@@ -28,6 +31,8 @@ RUN_OUTPUTS = (
     "launch.json",
     "slurm",
     "k8s",
+    "tensorboard",
+    "wandb",
 )
 """What a run writes; `run.overwrite=true` removes exactly these, nothing else a user keeps there. The checkpoints
 go too: a new run in the same directory must not restart from the previous run's (`resume=` another directory to

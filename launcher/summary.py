@@ -45,6 +45,9 @@ def build_summary(
         "ft_mode": mode,
         "steps": max((e["step"] for e in committed), default=0),
         "final_loss": final.get("final_loss", final.get("loss")),
+        "val_loss": max((e for e in events if e["event"] == "evaluated"), key=lambda e: e["step"], default={}).get(
+            "val_loss"
+        ),
         "param_sha256": hashes.pop() if len(hashes) == 1 else None,
         "wall_s": wall_s,
         "world_size": world_size,

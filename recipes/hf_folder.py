@@ -1,7 +1,7 @@
 """A run's final weights as a Hugging Face folder (`<run dir>/hf/`), which `AutoModelForCausalLM.from_pretrained`
 opens as it is: config.json, generation_config.json, the weights as safetensors (split into files of at most
-`max_shard_bytes`, with `model.safetensors.index.json`, when larger), and the tokenizer's files when the run used a
-Hugging Face tokenizer.
+`max_shard_bytes`, with `model.safetensors.index.json`, when larger), and the tokenizer's files (the byte-level
+tokenizer's as a transformers tokenizer), so `pipeline("text-generation", "<run dir>/hf")` generates from it.
 
 Every key of the model's state dict is stored, in the trained dtype (tied weights under each of their names, as the
 state dict has them), so the state dict of what `from_pretrained` builds hashes to the run's `param_sha256`.
@@ -29,16 +29,15 @@ def save_hf_folder(
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
     """Write the folder atomically: into `<name>.partial/` beside it, renamed once complete (a crash leaves no
-    folder that looks complete; an older one is replaced). `tokenizer`: an object with `save_pretrained`, or None."""
+    folder that looks complete; an older one is replaced). `tokenizer`: a `recipes.tokenizer` tokenizer, or None."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     partial = directory.with_name(f"{directory.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     hf_config.save_pretrained(partial)
-    GenerationConfig.from_model_config(hf_config).save_pretrained(partial)
+    generation_config(hf_config, tokenizer=tokenizer).save_pretrained(partial)
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
     for filename, names in split.filename_to_tensors.items():
@@ -52,6 +51,25 @@ def save_hf_folder(
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(partial, directory)
+
+
+def generation_config(hf_config, *, tokenizer=None):
+    """transformers' generation config of the model; with a tokenizer (`eos_id`), generation also ends at the
+    tokenizer's end id, first among the end ids, where the model's config names others only (a config built from
+    fields keeps its class's defaults: Llama's end id is 2, a byte to the byte-level tokenizer), and pads with it
+    where the config names no pad id."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(hf_config)
+    if tokenizer is None:
+        return generation
+    ends = generation.eos_token_id
+    ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+    if tokenizer.eos_id not in ends:
+        generation.eos_token_id = [tokenizer.eos_id, *ends] if ends else tokenizer.eos_id
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.eos_id
+    return generation
 
 
 def load_hf_slices(state: dict[str, torch.Tensor], directory: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from recipes.data.sampler import Batch
 from recipes.schema import ModelConfig
 
 
@@ -192,3 +193,14 @@ def packed_attention_masks(config, position_ids: torch.Tensor) -> dict[str, torc
         "full_attention": create_causal_mask(**kwargs, position_ids=position_ids),
         "sliding_attention": create_sliding_window_causal_mask(**kwargs, position_ids=position_ids),
     }
+
+
+def forward(model: torch.nn.Module, batch: Batch, *, precision: str) -> torch.Tensor:
+    """The logits of a batch as float32 `[tokens, vocab]` (bf16 autocast where configured)."""
+    device = batch.input_ids.device
+    masks = None if batch.position_ids is None else packed_attention_masks(model.config, batch.position_ids)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=masks, use_cache=False
+        ).logits
+    return logits.float().flatten(0, 1)

@@ -60,6 +60,20 @@ class DataConfig:
     """`synthetic` only: size of the generated corpus."""
     cache_dir: str | None = None
     """Where token files are cached; default `$CKPTLESS_CACHE` or `~/.cache/ckptless`."""
+    eval_fraction: float = 0.01
+    """With evaluation on (`eval.every`) and no `eval.paths`: the held-out part, the last this fraction of the token
+    file or of the packed conversations, never sampled for training."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate the validation loss on held-out data after every this many steps and after the last one; 0: never
+    (the default: training then samples from all of the data)."""
+    samples: int | None = None
+    """Held-out samples per evaluation, the same ones each time; null: one global batch."""
+    paths: list[str] = field(default_factory=list)
+    """Files to evaluate on, read as `data.paths` are (same source kind); empty: hold out `data.eval_fraction`."""
 
 
 @dataclass
@@ -269,6 +283,21 @@ class FtConfig:
 
 
 @dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    """Write the run's charts as TensorBoard event files under `<run dir>/tensorboard/` (`pip install tensorboard`)."""
+    wandb: bool = False
+    """Log the run's charts to Weights & Biases (`pip install wandb`), its local files under `<run dir>/wandb/`."""
+    wandb_project: str = "ckptless"
+    """The W&B project the run goes to."""
+    wandb_entity: str | None = None
+    """The W&B entity (user or team); null: the account's default."""
+    wandb_mode: str = "offline"
+    """`offline` (written under `<run dir>/wandb/`, uploaded later with `wandb sync`; needs no network) or `online`
+    (streamed as the run goes; needs network and a W&B API key where the job is served)."""
+
+
+@dataclass
 class FaultConfig(FaultEvent):
     kind: str = "none"
     """`none`, or a fault kind injected during the run (see `configs/fault/`)."""
@@ -299,12 +328,14 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ft: FtConfig = field(default_factory=FtConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def load_config(path: str | Path) -> JobConfig:

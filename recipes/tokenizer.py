@@ -2,7 +2,9 @@
 
 Both expose the same small surface the data pipeline needs: `encode`, `decode`, `chat_segments` (a conversation in
 its chat template, as token runs marked trained or not), `eos_id`, `vocab_size` and an `identity` string that
-changes whenever the tokenizer would produce different ids (token-file cache keys use it).
+changes whenever the tokenizer would produce different ids (token-file cache keys use it); and `save_pretrained`,
+their files as transformers loads them (the byte-level one as a transformers tokenizer of the same ids), which
+every run writes into its `hf/`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def chat_segments(self, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]: ...
+
+
+END_TOKEN = "<|endoftext|>"
+"""The byte-level tokenizer's end id (256) as transformers' tokenizer writes it (its bos and pad token too)."""
+
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""`ByteTokenizer.chat_segments`'s template in Jinja, as `apply_chat_template` renders it."""
 
 
 class ByteTokenizer:
@@ -55,6 +68,32 @@ class ByteTokenizer:
             segments.append((self.encode(f"<|{message['role']}|>\n"), False))
             segments.append((self.encode(message["content"] + "\n") + ([self.eos_id] if answer else []), answer))
         return segments
+
+    def save_pretrained(self, directory: Path) -> None:
+        """Its files, as `AutoTokenizer.from_pretrained(directory)` reads them (`transformers_byte_tokenizer`)."""
+        transformers_byte_tokenizer().save_pretrained(str(directory))
+
+
+def transformers_byte_tokenizer():
+    """The byte-level tokenizer as a transformers tokenizer with the same ids, chat template included: a byte-level
+    BPE without merges whose vocabulary is the 256 bytes in order (byte b is id b), and `END_TOKEN` the special token
+    256 (eos, bos and pad; nothing adds it to what is encoded, as `encode` adds nothing). Unlike `encode`, it reads
+    the text `<|endoftext|>` as that token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = bytes_to_unicode()  # the printable character that stands for each byte in a byte-level vocabulary
+    tokenizer = Tokenizer(models.BPE(vocab={symbols[byte]: byte for byte in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_TOKEN,
+        bos_token=END_TOKEN,
+        pad_token=END_TOKEN,
+        chat_template=BYTE_CHAT_TEMPLATE,
+    )
 
 
 class HFTokenizer:

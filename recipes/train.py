@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ckptless_core.checkpoint import Checkpointer, checkpoint_dirs
@@ -27,7 +26,6 @@ from ckptless_core.checkpoint_schedule import CheckpointSchedule
 from ckptless_core.dist import WorkerEnv
 from ckptless_core.events import EventLog
 from ckptless_core.faults import install_fault_handlers
-from ckptless_core.grad_sync import FlatGradients
 from ckptless_core.job import WORKER_EXIT_TRAINING_CODE_ERROR
 from ckptless_core.layout import Layout
 from ckptless_core.replica import (
@@ -39,51 +37,38 @@ from ckptless_core.replica import (
     process_resources,
 )
 from ckptless_core.state_hash import param_sha256
-from ckptless_core.transfer import checkpoint_state, local_tensor, materialize_optimizer_state, state_tensors
+from ckptless_core.transfer import checkpoint_state, state_tensors
 from recipes.data import (
-    Batch,
     PackedSampler,
     TokenSampler,
     check_data_config,
-    prepare_packed_file,
-    prepare_token_file,
     rank_sample_indices,
 )
-from recipes.hf_folder import load_hf_slices, save_hf_folder
+from recipes.evaluate import DataFiles, build_samplers, check_eval_config, evaluate, evaluation_due, prepare_files
+from recipes.hf_folder import save_hf_folder
 from recipes.lora import (
-    adapter_modules,
     adapter_state_dict,
-    add_adapters,
-    base_dtype,
-    base_state_dict,
-    init_adapters,
     save_adapter_folder,
 )
 from recipes.metrics import MetricsLog
-from recipes.model import build_hf_config, build_model, init_weights, named_tensors, packed_attention_masks
-from recipes.optim import build_optimizer, set_lr
+from recipes.model import build_hf_config, forward
+from recipes.optim import set_lr
 from recipes.parallel import (
     clip_grads,
-    copy_local_state,
-    copy_optimizer_state,
-    copy_slice,
-    decoder_blocks,
-    device_mesh,
     full_state_dict,
     grad_norm,
-    shard_model,
-    unsharded_params,
 )
 from recipes.schema import JobConfig, load_config
-from recipes.tokenizer import build_tokenizer
+from recipes.tokenizer import Tokenizer, build_tokenizer
+from recipes.train_state import TrainState, build_train_state, reshard_train_state
 
 Sampler = TokenSampler | PackedSampler
 
 
-def prepare(job: JobConfig) -> Path:
-    """Checks done once before any worker starts: data, tokenizer against model, and the data file (cached): a
-    token file to pretrain on, a packed conversation file to fine-tune on."""
+def check_inputs(job: JobConfig) -> Tokenizer:
+    """Checks done once before any worker starts: the data config, and the tokenizer (returned) against the model."""
     check_data_config(job.data, task=job.task.kind)
+    check_eval_config(job)
     tokenizer = build_tokenizer(job.tokenizer)
     vocab_size = build_hf_config(job.model).vocab_size
     if tokenizer.vocab_size > vocab_size:
@@ -91,15 +76,13 @@ def prepare(job: JobConfig) -> Path:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size}; "
             "set model.hf_config.vocab_size at least that large, or pick a matching tokenizer.path"
         )
-    if job.task.kind == "pretrain":
-        return prepare_token_file(job.data, tokenizer)
-    return prepare_packed_file(job.data, tokenizer)
+    return tokenizer
 
 
-def build_sampler(job: JobConfig, data_file: Path) -> Sampler:
-    """The sampler of what `prepare` made."""
-    kind = TokenSampler if job.task.kind == "pretrain" else PackedSampler
-    return kind(data_file, seq_len=job.data.seq_len, seed=job.seed)
+def prepare(job: JobConfig) -> DataFiles:
+    """`check_inputs`, then the data files (cached): a token file to pretrain on, a packed conversation file to
+    fine-tune on; and with evaluation on `eval.paths`, theirs."""
+    return prepare_files(job, check_inputs(job))
 
 
 def worker_preload(job: JobConfig) -> tuple[str, ...]:
@@ -128,121 +111,6 @@ def micro_batches(job: JobConfig, *, rank: int, world_size: int) -> list[list[in
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
-@dataclass
-class TrainState:
-    """What a worker trains: model, optimizer, and (full replicas) the flat gradient buffer the replicas sum; a
-    sharded model's gradients are reduced by FSDP2 instead. The step lives in the `Replica`."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    grads: FlatGradients | None
-    device: torch.device
-    shard_group: dist.ProcessGroup | None = None
-    """Sharded: the ranks of this rank's replica group (the gradient norm sums over them)."""
-
-
-def build_train_state(job: JobConfig, *, device: torch.device) -> TrainState:
-    """Identical on every rank (same seed); optimizer state exists from the start so a spare can receive it. A
-    model to be sharded is built on the meta device, and sharded, its slice initialised or read from the pretrained
-    files, once the first generation's ranks are known (`reshard_train_state`)."""
-    torch.manual_seed(job.seed)
-    model = training_model(job, device=device if job.parallel.shard == 1 else "meta")
-    optimizer = build_optimizer(model, job.optim)
-    materialize_optimizer_state(optimizer)
-    grads = FlatGradients(model.parameters()) if job.parallel.shard == 1 else None
-    return TrainState(model=model, optimizer=optimizer, grads=grads, device=device)
-
-
-def adapter_seed(job: JobConfig) -> int:
-    """The seed LoRA's adapters are drawn from (`init_adapters`): one of their own, so every layout draws them
-    alike, after whatever the base's initialisation drew."""
-    return job.seed * 1_000_003 + 7
-
-
-def training_model(job: JobConfig, *, device: torch.device | str) -> torch.nn.Module:
-    """The recipe's model in training mode, with activation checkpointing and compiled blocks where configured;
-    under `task=lora` the base frozen and wrapped with its adapters (peft)."""
-    model = build_model(job.model, device=device, dtype=base_dtype(job))
-    if job.trainer.activation_checkpointing:
-        model.activation_checkpointing_enable()
-        if job.task.kind == "lora":
-            model.enable_input_require_grads()  # a frozen embedding: the recomputed blocks still need a graph
-    if job.task.kind == "lora":
-        model = add_adapters(model, job.lora)
-        if not next(model.parameters()).is_meta:
-            init_adapters(
-                model, lambda name, whole: model.get_parameter(name).data.copy_(whole), seed=adapter_seed(job)
-            )
-    model.train()
-    if job.trainer.compile:
-        for block in decoder_blocks(model):
-            block.compile()  # in place: FSDP2's hooks, and the state's tensors, stay on the same module
-    return model
-
-
-def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) -> None:
-    """Shard a fresh model and optimizer over the current generation's ranks (built on the meta device, then
-    allocated) and give it this rank's slice of the current state: of a sharded model its local shards (see
-    `recipes.parallel`). A model still on the meta device (the first generation's, a spare's) gets its slice from
-    `initialise_slices`."""
-    mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=state.device.type)
-    model = training_model(job, device="meta")
-    shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")
-    model.to_empty(device=state.device)
-    optimizer = build_optimizer(model, job.optim)
-    materialize_optimizer_state(optimizer)
-    if next(state.model.parameters()).is_meta:
-        initialise_slices(
-            model, job, trusted=replica.valid, events=replica.events, generation=replica.generation.number
-        )
-    else:
-        copy_local_state(state.model, model)
-        copy_optimizer_state(state.optimizer, optimizer)
-    state.model, state.optimizer, state.shard_group = model, optimizer, mesh["shard"].get_group()
-    if unsharded_params(model):  # LoRA's adapters: whole on every rank, their gradients summed over all
-        state.grads = FlatGradients(model.parameters())
-
-
-@torch.no_grad()
-def initialise_slices(
-    model: torch.nn.Module, job: JobConfig, *, trusted: bool, events: EventLog, generation: int
-) -> None:
-    """This rank's slice of a freshly sharded model, as the first generation has it: initialised module by module
-    as the whole model would be (`init_weights`), or read from `model.pretrained` (each rank its own rows:
-    `load_hf_slices`); LoRA's adapters drawn whole (`init_adapters`). A state that is not `trusted` (it is received
-    or loaded next) needs only what the state leaves out: non-persistent buffers (rotary frequencies) and, under
-    LoRA, the frozen base, whose source and cost are an event (`frozen_base`)."""
-    started = time.perf_counter()
-    torch.manual_seed(job.seed)  # the draws of the whole model's initialisation, whatever the layout
-    targets = dict(named_tensors(model))
-    lora = job.task.kind == "lora"
-    adapters = adapter_modules(model) if lora else set()
-    pretrained = job.model.pretrained is not None
-
-    def needed(module: torch.nn.Module) -> bool:
-        if id(module) in adapters:
-            return False  # drawn below, from a generator of their own
-        if module._non_persistent_buffers_set:
-            return True
-        frozen = lora and any(not p.requires_grad for p in module.parameters(recurse=False))
-        return not pretrained and (trusted or frozen)
-
-    init_weights(model, lambda name, whole: copy_slice(whole, into=targets[name]), only=needed)
-    if pretrained and (trusted or lora):
-        load_hf_slices(base_state_dict(model) if lora else model.state_dict(), Path(job.model.pretrained))
-    if lora:
-        if trusted:
-            init_adapters(model, lambda name, whole: copy_slice(whole, into=targets[name]), seed=adapter_seed(job))
-        frozen = [local_tensor(p) for p in model.parameters() if not p.requires_grad]
-        events.emit(
-            "frozen_base",
-            generation=generation,
-            source="model.pretrained" if pretrained else "seed",
-            bytes=sum(t.numel() * t.element_size() for t in frozen),
-            seconds=round(time.perf_counter() - started, 6),
-        )
-
-
 def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampler, job: JobConfig) -> dict:
     """One optimizer step (0-based `step`) over this rank's micro-batches; a pure function of the state, the step
     and the rank, so a replayed step is the same step. The loss is the mean over the global batch's targets (every
@@ -257,7 +125,9 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampl
     loss = torch.zeros((), device=device)
     for indices in micro_batches(job, rank=replica.rank, world_size=replica.world_size):
         batch = sampler.batch(step, indices).to(device)
-        loss_sum = F.cross_entropy(forward(state.model, batch, job), batch.labels.flatten(), reduction="sum")
+        loss_sum = F.cross_entropy(
+            forward(state.model, batch, precision=job.trainer.precision), batch.labels.flatten(), reduction="sum"
+        )
         (loss_sum / global_tokens).backward()  # a sharded model reduce-scatters its gradients here (FSDP2)
         loss += loss_sum.detach() / global_tokens
     if state.grads is not None:  # full replicas: the loss rides with the gradients in one all-reduce
@@ -277,24 +147,15 @@ def train_step(state: TrainState, step: int, *, replica: Replica, sampler: Sampl
     return {"loss": loss.item(), "lr": lr, "grad_norm": float("nan") if norm is None else norm.item()}
 
 
-def forward(model: torch.nn.Module, batch: Batch, job: JobConfig) -> torch.Tensor:
-    """The logits of a batch as float32 `[tokens, vocab]` (bf16 autocast where configured)."""
-    device = batch.input_ids.device
-    masks = None if batch.position_ids is None else packed_attention_masks(model.config, batch.position_ids)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.trainer.precision == "bf16"):
-        logits = model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=masks, use_cache=False
-        ).logits
-    return logits.float().flatten(0, 1)
-
-
 def warm_up(state: TrainState, *, sampler: Sampler, job: JobConfig) -> None:
     """One forward and backward on the first micro-batch, then the gradients cleared: a hot spare does this before
     it waits, so the step it replays when promoted does not pay first-call costs (allocations, lazy initialization).
     Parameters and optimizer state are untouched."""
     device = state.device
     batch = sampler.batch(0, micro_batches(job, rank=0, world_size=1)[0]).to(device)
-    F.cross_entropy(forward(state.model, batch, job), batch.labels.flatten(), reduction="sum").backward()
+    F.cross_entropy(
+        forward(state.model, batch, precision=job.trainer.precision), batch.labels.flatten(), reduction="sum"
+    ).backward()
     if state.grads is not None:
         state.grads.zero()  # the gradients stay views of the flat buffer the replicas all-reduce
     else:
@@ -310,7 +171,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
         replica.interrupt_compute_on_new_generation(model)
 
     instrument(state.model)
-    sampler = build_sampler(job, prepare(job))
+    sampler, held_out = build_samplers(job, prepare(job))
     if replica.env.spare and not next(state.model.parameters()).is_meta:
         warm_up(state, sampler=sampler, job=job)
 
@@ -331,10 +192,20 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     )
     replica.start(worker_state)  # a hot spare waits here, model built, until it is promoted
 
+    def evaluation() -> dict[str, float]:
+        """The validation loss of the committed state, and the seconds it took."""
+        started = time.perf_counter()
+        val_loss = evaluate(state.model, replica=replica, sampler=held_out, job=job)
+        events.emit("evaluated", step=replica.step, val_loss=val_loss, eval_s=_since(started))
+        return {"val_loss": val_loss, "eval_s": _since(started)}
+
     def step_fn(step: int) -> dict[str, float]:
         if schedule is not None:
             schedule.agree(replica.agree_max)  # while `auto` is undecided
-        return train_step(state, step, replica=replica, sampler=sampler, job=job)
+        # The state of an evaluation step is evaluated first thing in the next step, so that every rank, a spare
+        # promoted into it included, does (or redoes, after a failure) the same evaluation of the same state.
+        evaluated = evaluation() if evaluation_due(job, step) else {}
+        return {**evaluated, **train_step(state, step, replica=replica, sampler=sampler, job=job)}
 
     metrics = MetricsLog(run_dir / "metrics.jsonl", every=job.trainer.log_every, max_steps=job.trainer.max_steps)
     tokens_per_step = job.trainer.global_batch_size * job.data.seq_len
@@ -346,28 +217,42 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
             schedule.observe_write(replica.save_checkpoint(background=False))  # the workers started with the job
         while replica.step < job.trainer.max_steps:
             step_start = time.perf_counter()
-            result = replica.run_step(step_fn, check=schedule is not None and schedule.due(replica.step + 1))
+            committed = replica.run_step(step_fn, check=schedule is not None and schedule.due(replica.step + 1))
             step_s = _since(step_start)
+            if committed is None:  # the others committed it while this rank recovered: it has no values of its own
+                continue
+            result = committed
+            evaluated = {key: result.pop(key) for key in ("val_loss", "eval_s") if key in result}
             events.emit(
                 "step_committed",
                 step=replica.step,
                 loss=result["loss"],
-                step_s=step_s,
+                step_s=step_s - evaluated.get("eval_s", 0.0),
                 generation=replica.generation.number,
             )
             if replica.rank == 0:
-                metrics.log(
-                    replica.step,
-                    **result,
+                if evaluated:
+                    metrics.complete(replica.step - 1, val_loss=evaluated["val_loss"])
+                values = dict(
+                    result,
                     tokens_per_s=tokens_per_step / step_s,
                     step_s=step_s,
                     elapsed_s=_since(start),
+                    world_size=replica.world_size,
+                    peak_memory_gib=peak_memory_gib(device),
                 )
+                (metrics.hold if evaluation_due(job, replica.step) else metrics.log)(replica.step, **values)
             if checkpoints is not None:
                 schedule.observe_step(step_s)
                 if schedule.due(replica.step):
                     replica.save_checkpoint()
+        if evaluation_due(job, replica.step):  # the last step's evaluation: no next step to do it in
+            val_loss = replica.evaluate(evaluation)["val_loss"]
+            if replica.rank == 0:
+                metrics.complete(replica.step, val_loss=val_loss)
     except StopRequested:
+        if replica.rank == 0 and evaluation_due(job, replica.step):  # stopped before its evaluation
+            metrics.complete(replica.step, val_loss=None)
         events.emit("stopped", step=replica.step)
         if checkpoints is not None:
             replica.save_checkpoint(background=False)
@@ -380,7 +265,7 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
     weights = adapter_state_dict(state.model) if lora else full_state_dict(state.model)
     digest = param_sha256(weights)
     if replica.rank == 0:
-        tokenizer = build_tokenizer(job.tokenizer) if job.tokenizer.path is not None else None
+        tokenizer = build_tokenizer(job.tokenizer)
         if lora:
             save_adapter_folder(run_dir / "hf", state.model, tokenizer=tokenizer)
         else:
@@ -417,6 +302,13 @@ def _starting_checkpoints(job: JobConfig, run_dir: Path) -> Path | None:
     if job.ft.mode == "checkpoint_restart" and checkpoint_dirs(own):
         return own
     return None if job.resume is None else Path(job.resume) / "checkpoints"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The most memory this worker has held: its accelerator's allocations, or on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _since(started: float) -> float:

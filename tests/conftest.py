@@ -74,6 +74,21 @@ def fault_free_run(launch, tmp_path_factory):
     return reference
 
 
+CHARTED_STEPS, CHARTED_FAULT_STEP = 10, 5
+
+
+@pytest.fixture(scope="session")
+def charted_recovery(launch, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """(process, run dir) of tiny_llama for CHARTED_STEPS steps with TensorBoard and W&B on, worker1 killed during
+    step CHARTED_FAULT_STEP and replaced by the spare: shared by the loggers' and the trace's tests."""
+    run_dir = tmp_path_factory.mktemp("charted") / "kill"
+    proc = launch("recipe=tiny_llama", f"trainer.max_steps={CHARTED_STEPS}", "trainer.print_every=100",
+                  "fault=kill_worker", "fault.rank=1", f"fault.step={CHARTED_FAULT_STEP}", "logging.tensorboard=true",
+                  "logging.wandb=true", f"run.dir={run_dir}")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, run_dir
+
+
 @pytest.fixture(scope="session")
 def fault_free_hash(fault_free_run):
     """`fault_free_hash(steps, *layout)`: the `param_sha256` of `fault_free_run(steps, *layout)`."""

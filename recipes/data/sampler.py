@@ -8,6 +8,7 @@ is the same whatever the number of ranks it is split over.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,15 +45,17 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 class TokenSampler:
     """Windows of `seq_len + 1` tokens (inputs and shifted targets) drawn uniformly from a memory-mapped file."""
 
-    def __init__(self, token_file: Path, *, seq_len: int, seed: int) -> None:
-        self.tokens = open_token_file(token_file)
+    def __init__(self, token_file: Path, *, seq_len: int, seed: int, part: slice = slice(None)) -> None:
+        """Windows of the `part` of the file's tokens (training's, or the held-out tail: `held_out_start`)."""
+        self.tokens = open_token_file(token_file)[part]
         self.seq_len = seq_len
         self.seed = seed
         self._num_starts = len(self.tokens) - seq_len
         if seq_len < 1 or self._num_starts < 1:
             raise ValueError(
-                f"data.seq_len={seq_len} needs at least {seq_len + 1} tokens, the token file {token_file} has "
-                f"{len(self.tokens)}; lower data.seq_len or add text"
+                f"data.seq_len={seq_len} needs at least {seq_len + 1} tokens, this part of the token file "
+                f"{token_file} has {len(self.tokens)}; lower data.seq_len, add text, or hold out a larger "
+                "data.eval_fraction"
             )
 
     @property
@@ -90,8 +93,13 @@ class PackedSampler:
     """Rows of a packed conversation file (`recipes.data.packed`), drawn uniformly; only the assistant's tokens are
     targets, and each row's conversations attend within themselves (position ids restart at each)."""
 
-    def __init__(self, directory: Path, *, seq_len: int, seed: int) -> None:
+    def __init__(self, directory: Path, *, seq_len: int, seed: int, part: slice = slice(None)) -> None:
+        """Rows of the `part` of the packed rows (training's, or the held-out tail: `held_out_start`)."""
         self.meta, arrays = read_packed(directory)
+        self.first_row, end, _ = part.indices(self.meta["rows"])
+        self.num_rows = end - self.first_row
+        if self.num_rows < 1:
+            raise ValueError(f"{directory} has {self.meta['rows']} packed rows, none in {part}; add conversations")
         self.tokens, self.positions, self.trained = arrays["tokens"], arrays["positions"], arrays["trained"]
         self._row_targets = arrays["targets"]
         if self.meta["row_len"] != seq_len + 1:
@@ -101,7 +109,12 @@ class PackedSampler:
 
     def rows(self, step: int, indices: Sequence[int]) -> np.ndarray:
         """The rows of these global sample indices of `step`."""
-        return _draw(self.seed, step, indices, count=self.meta["rows"])
+        return self.first_row + _draw(self.seed, step, indices, count=self.num_rows)
+
+    @staticmethod
+    def count_rows(directory: Path) -> int:
+        """How many rows a packed directory holds."""
+        return read_packed(directory)[0]["rows"]
 
     def batch(self, step: int, indices: Sequence[int]) -> Batch:
         rows = self.rows(step, indices)
@@ -115,6 +128,15 @@ class PackedSampler:
         """Targets the loss of `step` averages over: the trained tokens of the whole global batch, known to every
         rank from the rows alone (no collective)."""
         return int(self._row_targets[self.rows(step, range(global_batch_size))].astype(np.int64).sum())
+
+
+def held_out_start(count: int, *, fraction: float) -> int:
+    """Where the held-out tail of `count` items (tokens, packed rows) begins: the last `fraction` of them, at least
+    one item, and never all of them."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"data.eval_fraction={fraction} must be between 0 and 1 (0.01: hold out 1%)")
+    held = min(max(1, math.ceil(count * fraction)), count - 1)
+    return count - held
 
 
 def rank_sample_indices(*, rank: int, world_size: int, global_batch_size: int) -> list[int]:

@@ -164,3 +164,59 @@ def test_bad_fine_tuning_input_is_refused_before_anything_starts(launch, tmp_pat
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr and "handshake" not in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ls_lists_every_recipe_task_source_cluster_and_fault_with_what_it_is(launch):
+    proc = launch("ls")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for heading in ("recipes (recipe=<name>):", "tasks (task=<name>):", "data sources (data=<name>):",
+                    "clusters (cluster=<name>):", "faults to rehearse (fault=<name>):"):  # fmt: skip
+        assert heading in lines
+    tiny = next(line for line in lines if line.split()[:1] == ["tiny_llama"])
+    assert "A tiny Llama" in tiny
+    assert any(line.split()[:2] == ["kill_worker", "SIGKILL"] for line in lines)
+    assert launch("ls", "extra").returncode == 2
+
+
+def test_a_copied_recipe_runs_as_its_original_does_under_any_overrides(launch, tmp_path):
+    """`cp` writes the recipe's fields and, commented out, the other fields a recipe decides; `recipe=<file>`
+    composes exactly as the recipe with the same overrides (a task's own defaults still apply), and names the run
+    directory after the file."""
+    copy = tmp_path / "my_llama.yaml"
+    proc = launch("cp", "tiny_llama", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    text = copy.read_text()
+    assert text.startswith("# @package _global_") and "hidden_size: 128" in text and "# grad_clip_norm: 1.0" in text
+    for overrides in ([], ["task=lora", "trainer.max_steps=9"]):
+        original = launch("recipe=tiny_llama", *overrides, "--cfg", "job")
+        copied = launch(f"recipe={copy}", *overrides, "--cfg", "job")
+        assert copied.returncode == 0, copied.stderr
+        assert copied.stdout == original.stdout
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(text.replace("hidden_size: 128", "hidden_size: 64").replace("max_steps: 100", "max_steps: 3"))
+    proc = launch(f"recipe={edited}", "dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "recipe  edited (LlamaForCausalLM)" in proc.stdout and "steps  3 " in proc.stdout
+    assert "outputs/edited/" in proc.stdout
+    # An existing file is kept; a missing recipe file is named.
+    again = launch("cp", "tiny_llama", str(copy))
+    assert again.returncode == 2 and "exists" in again.stderr and copy.read_text() == text
+    missing = launch(f"recipe={tmp_path / 'nope.yaml'}", "dry_run=true")
+    assert missing.returncode == 2 and "nope.yaml not found" in missing.stderr
+
+
+def test_validate_composes_and_checks_and_starts_nothing(launch, tmp_path):
+    proc = launch("validate", "recipe=tiny_llama", "eval.every=10", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "recipe  tiny_llama" in proc.stdout and "valid: python -m launcher recipe=tiny_llama" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+    for overrides, message in (
+        (["recipe=tiny_llama", "trainer.max_step=5"], "unknown key trainer.max_step; did you mean trainer.max_steps?"),
+        (["recipe=tiny_llama", "eval.every=5", "eval.samples=3"], "eval.samples=3 does not divide"),
+        (["recipe=tiny_llama", "eval.every=5", "data.eval_fraction=1.5"], "data.eval_fraction=1.5"),
+        (["recipe=tiny_llama", "eval.every=5", "eval.paths=[a.txt]"], "eval.paths names files"),
+    ):
+        bad = launch("validate", *overrides, cwd=tmp_path)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,7 @@ import pytest
 
 from ckptless_core.events import read_events
 from launcher.summary import with_attempts
-from tests.conftest import FOUR, THREE, TWO, read_summary
+from tests.conftest import FOUR, THREE, TWO, read_metrics, read_summary
 
 STEPS = 24
 FAULT_STEP = 12
@@ -518,3 +518,27 @@ def test_with_compiled_blocks_a_killed_worker_recovers_bitwise(run, fault_free):
     compiled = (*TWO, "trainer.compile=true")
     proc, run_dir = run("compiled-kill", *compiled, "fault=kill_worker", "fault.rank=1", f"fault.step={FAULT_STEP}")
     assert_recovered(proc, run_dir, expected_hash=fault_free(compiled), failures=1)
+
+
+EVAL = ("eval.every=4", "eval.samples=64")
+"""Validation every 4 steps on 64 held-out samples: long enough that a kill in the step after an evaluation step
+lands in its evaluation as often as not."""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_validation_losses_after_a_recovery_are_bitwise_those_of_the_fault_free_run(run, fault_free_run, rank):
+    """A worker killed in the step after an evaluation step (its evaluation runs first thing in that step): the
+    evaluation is redone after the recovery, and every validation loss, the final parameters and every metrics line
+    are those of the fault-free run. Rank 0 writes the metrics: lost, its spare completes the held line."""
+    proc, run_dir = run(f"eval-kill-{rank}", *TWO, *EVAL, "fault=kill_worker", f"fault.rank={rank}", "fault.step=13")
+    reference = fault_free_run(STEPS, *TWO, *EVAL)
+    assert_recovered(proc, run_dir, expected_hash=read_summary(reference)["param_sha256"], failures=1)
+    metrics, expected = read_metrics(run_dir), read_metrics(reference)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    validation = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
+    assert validation == {m["step"]: m["val_loss"] for m in expected if "val_loss" in m}
+    assert sorted(validation) == [4, 8, 12, 16, 20, 24]
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in expected]
+    assert "val_loss" in proc.stdout
+    redone = [e for e in read_events(run_dir / "events") if e["event"] == "evaluated" and e["step"] == 12]
+    assert len({e["worker"] for e in redone}) >= 2  # the survivor's, and the spare's after the recovery

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from recipes.data import (
+    PackedSampler,
     TokenSampler,
     check_data_config,
     iter_texts,
@@ -276,3 +277,66 @@ def test_step_samples_do_not_depend_on_world_size(token_path, world_size):
 def test_sampler_refuses_windows_longer_than_the_file(token_path):
     with pytest.raises(ValueError, match="data.seq_len=50000 needs at least 50001 tokens"):
         TokenSampler(token_path, seq_len=50_000, seed=0)
+
+
+# --- held-out data (eval.every) -----------------------------------------------------------------------------------
+
+
+def held_out_job(tmp_path, *overrides):
+    from omegaconf import OmegaConf
+
+    from recipes.schema import JobConfig
+
+    base = {"data": {"synthetic_num_bytes": 20_000, "seq_len": 32, "cache_dir": str(tmp_path)}, "eval": {"every": 5}}
+    merged = OmegaConf.merge(OmegaConf.structured(JobConfig), base, *[OmegaConf.from_dotlist([o]) for o in overrides])
+    return OmegaConf.to_object(merged)
+
+
+def test_training_never_samples_the_held_out_tail_and_evaluation_samples_only_it(tmp_path):
+    from recipes.data.sampler import held_out_start
+    from recipes.evaluate import build_samplers, prepare_files
+
+    job = held_out_job(tmp_path, "data.eval_fraction=0.1")
+    files = prepare_files(job, ByteTokenizer())
+    train, held_out = build_samplers(job, files)
+    tokens = np.asarray(open_token_file(files.train), dtype=np.int64)
+    start = held_out_start(len(tokens), fraction=0.1)
+    assert start == len(tokens) - -(-len(tokens) // 10)
+    trained = np.concatenate([train.offsets(step, range(64)) for step in range(100)])
+    assert trained.max() + 33 <= start  # no training window reaches into the tail
+    evaluated = held_out.offsets(0, range(64))
+    np.testing.assert_array_equal(held_out.sample(0, 0), tokens[start + evaluated[0] : start + evaluated[0] + 33])
+    # Evaluation off: training samples the whole file, exactly as before evaluation existed.
+    plain, none = build_samplers(held_out_job(tmp_path, "eval.every=0"), files)
+    assert none is None
+    np.testing.assert_array_equal(
+        plain.offsets(3, range(8)), TokenSampler(files.train, seq_len=32, seed=0).offsets(3, range(8))
+    )
+
+
+def test_packed_conversations_hold_out_their_last_rows(tmp_path):
+    from recipes.evaluate import build_samplers, prepare_files
+
+    job = held_out_job(tmp_path, "task.kind=sft", "data.seq_len=160", "data.eval_fraction=0.2")
+    files = prepare_files(job, ByteTokenizer())
+    train, held_out = build_samplers(job, files)
+    rows = PackedSampler.count_rows(files.train)
+    first_held = held_out.first_row
+    assert 0 < first_held < rows and held_out.num_rows == rows - first_held and train.num_rows == first_held
+    assert np.concatenate([train.rows(step, range(16)) for step in range(50)]).max() < first_held
+    assert held_out.rows(0, range(16)).min() >= first_held
+
+
+def test_eval_paths_are_prepared_as_their_own_file(tmp_path):
+    from recipes.evaluate import build_samplers, prepare_files
+
+    paths = [
+        write(tmp_path / "train.txt", "the training text. " * 200),
+        write(tmp_path / "valid.txt", "held out. " * 100),
+    ]
+    job = held_out_job(tmp_path, "data.source=text_files", f"data.paths=[{paths[0]}]", f"eval.paths=[{paths[1]}]")
+    files = prepare_files(job, ByteTokenizer())
+    assert files.held_out is not None and files.held_out != files.train
+    train, held_out = build_samplers(job, files)
+    assert train.num_tokens == len(open_token_file(files.train))  # all of the training file is trained on
+    assert bytes(held_out.sample(0, 0)[:9].astype(np.uint8)) in b"held out. held out. "

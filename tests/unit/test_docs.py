@@ -114,6 +114,7 @@ COMMANDS = _commands()
 def sources(tmp_path_factory) -> dict[str, str]:
     """What the docs' placeholders stand for, made small: a pretrained folder and its tokenizer (with a chat
     template), a text file, a file of conversations, a run directory with a disk checkpoint to resume from."""
+    from launcher.recipe_commands import recipe_yaml
     from recipes.data.chat import synthetic_conversations
     from tests.integration.test_finetune import TEMPLATE
     from tests.integration.test_sources import TEXT, pretrained_folder, train_tokenizer
@@ -127,7 +128,12 @@ def sources(tmp_path_factory) -> dict[str, str]:
     chats = islice(synthetic_conversations(seed=1, num_bytes=10**5), 50)
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
     (root / "earlier-run" / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (root / "my_llama.yaml").write_text(recipe_yaml("tiny_llama"))
     return {
+        "recipe=my_llama.yaml": f"recipe={root / 'my_llama.yaml'}",
+        "recipe=my.yaml": f"recipe={root / 'my_llama.yaml'}",
+        "data.paths=[train.txt]": f"data.paths=[{root / 'book.txt'}]",
+        "eval.paths=[valid.txt]": f"eval.paths=[{root / 'book.txt'}]",
         "model.pretrained=<dir>": f"model.pretrained={root / 'weights'}",
         "tokenizer.path=<dir>": f"tokenizer.path={root / 'tokenizer'}",
         "data.paths=[/path/to/book.txt]": f"data.paths=[{root / 'book.txt'}]",

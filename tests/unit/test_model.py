@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from launcher.compose import compose_job
 from recipes.model import build_hf_config, build_model, init_weights, named_tensors
-from recipes.train import training_model
+from recipes.train_state import training_model
 
 
 @pytest.mark.parametrize(

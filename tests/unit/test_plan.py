@@ -175,7 +175,7 @@ def test_a_lora_plan_counts_the_frozen_base_in_its_dtype_and_the_adapters_whole(
 
 
 def test_a_lora_model_keeps_its_frozen_base_in_bf16_and_its_adapters_in_float32():
-    from recipes.train import training_model
+    from recipes.train_state import training_model
 
     job = compose_job(["recipe=tiny_llama", "task=lora", "trainer.precision=bf16"]).job
     model = training_model(job, device="meta")
