@@ -104,7 +104,10 @@ def evaluation_due(job: JobConfig, step: int) -> bool:
 def evaluate(model: torch.nn.Module, *, replica: Replica, sampler: Sampler, job: JobConfig) -> float:
     """The mean loss over the held-out samples' targets: each rank sums its block of them, in micro-batches, and one
     all-reduce adds the sums. Changes no state (no gradients, the model's train/eval mode restored)."""
-    indices = rank_sample_indices(rank=replica.rank, world_size=replica.world_size, global_batch_size=eval_samples(job))
+    # (A job shrunk to fewer ranks than eval.samples divides over leaves the remainder out: every rank of a sharded
+    # model must run as many forwards as the others.)
+    samples = eval_samples(job) - eval_samples(job) % replica.world_size
+    indices = rank_sample_indices(rank=replica.rank, world_size=replica.world_size, global_batch_size=samples)
     size = job.trainer.micro_batch_size
     device = next(model.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
