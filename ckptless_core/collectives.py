@@ -76,9 +76,22 @@ def init_process_group(
         timeout=connect,
     )
     group = dist.new_group(backend="gloo", timeout=connect) if checkpoint_group else None
-    for connected in [None] if group is None else [None, group]:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), connected)
+    for made in [None] if group is None else [None, group]:
+        connected(made, timeout_s=timeout_s)
     return group
+
+
+def connecting_options(backend: str) -> dist.Backend.Options:
+    """Options for a group made from the generation's (a device mesh's dimension): connecting it may take
+    CONNECT_TIMEOUT_S at most; once made, `connected` gives it the collective timeout."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=CONNECT_TIMEOUT_S)
+    return options
+
+
+def connected(group: dist.ProcessGroup | None, *, timeout_s: float) -> None:
+    """`group` (None: the default one) is connected: its collectives time out after `timeout_s` from now on."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
 
 
 def wait_in_slices(

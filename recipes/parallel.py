@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ckptless_core.collectives import connected, connecting_options
 from ckptless_core.fsdp import protect
-from ckptless_core.layout import Layout
 from ckptless_core.replica import Replica
 from ckptless_core.transfer import local_tensor
 from recipes.lora import base_model
@@ -52,9 +52,17 @@ def check_shardable(model: torch.nn.Module, shard: int) -> None:
         )
 
 
-def device_mesh(layout: Layout, *, world_size: int, device_type: str) -> DeviceMesh:
-    """The generation's (replicate, shard) mesh; rank = replica_group * shard + shard_index (`Layout`)."""
-    return init_device_mesh(device_type, layout.mesh_shape(world_size), mesh_dim_names=("replicate", "shard"))
+def device_mesh(replica: Replica, *, device_type: str) -> DeviceMesh:
+    """The generation's (replicate, shard) mesh; rank = replica_group * shard + shard_index (`Layout`). Its groups
+    connect within the time a generation's own group may take (a member lost meanwhile costs that, not the
+    collective timeout), then take the collective timeout."""
+    dims = ("replicate", "shard")
+    options = {dim: (replica.backend, connecting_options(replica.backend)) for dim in dims}
+    shape = replica.layout.mesh_shape(replica.world_size)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=dims, backend_override=options)
+    for dim in dims:
+        connected(mesh[dim].get_group(), timeout_s=replica.collective_timeout_s)
+    return mesh
 
 
 def unsharded_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:

@@ -89,7 +89,7 @@ def reshard_train_state(state: TrainState, job: JobConfig, *, replica: Replica) 
     allocated) and give it this rank's slice of the current state: of a sharded model its local shards (see
     `recipes.parallel`). A model still on the meta device (the first generation's, a spare's) gets its slice from
     `initialise_slices`."""
-    mesh = device_mesh(replica.layout, world_size=replica.world_size, device_type=state.device.type)
+    mesh = device_mesh(replica, device_type=state.device.type)
     model = training_model(job, device="meta")
     shard_model(model, mesh, replica, bf16=job.trainer.precision == "bf16")
     model.to_empty(device=state.device)
