@@ -39,12 +39,18 @@ from ckptless_core.replica import (
 from ckptless_core.state_hash import param_sha256
 from ckptless_core.transfer import checkpoint_state, state_tensors
 from recipes.data import (
-    PackedSampler,
-    TokenSampler,
     check_data_config,
     rank_sample_indices,
 )
-from recipes.evaluate import DataFiles, build_samplers, check_eval_config, evaluate, evaluation_due, prepare_files
+from recipes.evaluate import (
+    DataFiles,
+    Sampler,
+    build_samplers,
+    check_eval_config,
+    evaluate,
+    evaluation_due,
+    prepare_files,
+)
 from recipes.hf_folder import save_hf_folder
 from recipes.lora import (
     adapter_state_dict,
@@ -61,8 +67,6 @@ from recipes.parallel import (
 from recipes.schema import JobConfig, load_config
 from recipes.tokenizer import Tokenizer, build_tokenizer
 from recipes.train_state import TrainState, build_train_state, reshard_train_state
-
-Sampler = TokenSampler | PackedSampler
 
 
 def check_inputs(job: JobConfig) -> Tokenizer:
@@ -196,8 +200,9 @@ def train(job: JobConfig, replica: Replica, *, run_dir: Path, events: EventLog) 
         """The validation loss of the committed state, and the seconds it took."""
         started = time.perf_counter()
         val_loss = evaluate(state.model, replica=replica, sampler=held_out, job=job)
-        events.emit("evaluated", step=replica.step, val_loss=val_loss, eval_s=_since(started))
-        return {"val_loss": val_loss, "eval_s": _since(started)}
+        evaluated = {"val_loss": val_loss, "eval_s": _since(started)}
+        events.emit("evaluated", step=replica.step, **evaluated)
+        return evaluated
 
     def step_fn(step: int) -> dict[str, float]:
         if schedule is not None:
