@@ -107,11 +107,19 @@ def accept_channel(sock: socket.socket, *, secret: bytes, peer: str) -> Channel:
     return Channel(sock, session_key=key, is_server=True, peer=peer)
 
 
-def connect_channel(address: tuple[str, int], *, secret: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
-    """Client side: connect and prove the secret; ProtocolError if the server cannot prove it back, TimeoutError if
-    nothing answers (a listening socket whose server is not running yet, or no longer)."""
-    sock = socket.create_connection(address, timeout=timeout_s)
+def connect_channel(
+    address: tuple[str, int],
+    *,
+    secret: bytes,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    connect_timeout_s: float | None = None,
+) -> Channel:
+    """Client side: connect (within `connect_timeout_s`, default `timeout_s`) and prove the secret within
+    `timeout_s`; ProtocolError if the server cannot prove it back, TimeoutError if nothing answers (a listening
+    socket whose server is not running yet, or no longer; an address gone silent with its node)."""
+    sock = socket.create_connection(address, timeout=connect_timeout_s or timeout_s)
     try:
+        sock.settimeout(timeout_s)
         greeting = _read_exact(sock, len(_GREETING) + 32)
         if not greeting.startswith(_GREETING):
             raise ProtocolError(f"{address}: not a ckptless control endpoint")

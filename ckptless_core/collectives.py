@@ -32,11 +32,13 @@ never destroyed while its threads still wait on a lost peer: not when its Replic
 (workers end with `os._exit`, as multiprocessing's children do)."""
 
 
-def connect_store(env: WorkerEnv, *, timeout_s: float) -> dist.TCPStore:
-    """The c10d store of the job's rendezvous (served by rank 0, or by torchrun's agent)."""
+def connect_store(env: WorkerEnv, *, timeout_s: float, address: tuple[str, int] | None = None) -> dist.TCPStore:
+    """The c10d store of the job's rendezvous (served by rank 0, or by torchrun's agent, or by the coordinator at
+    `address`; else at the environment's `MASTER_ADDR`/`MASTER_PORT`)."""
+    host, port = address or (env.master_addr, env.master_port)
     return dist.TCPStore(
-        env.master_addr,
-        env.master_port,
+        host,
+        port,
         is_master=env.rank == 0 and not env.agent_store,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,

@@ -21,9 +21,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import replace
 
 from ckptless_core.agent_channels import AgentChannels, build_host_job
 from ckptless_core.control_server import ControlServer
+from ckptless_core.coordinator_link import RECONNECT_CONNECT_S
 from ckptless_core.detection import (
     Failure,
     bug_report,
@@ -153,7 +155,9 @@ class Coordinator:
             pid=os.getpid(),
         )
         expected = set(membership.journaled_hosts) - membership.lost_hosts
-        deadline = time.monotonic() + max(5.0, 3 * self.ft.host_timeout_s)
+        # An agent may be in a try on the dead coordinator's address (RECONNECT_CONNECT_S at most) before it reads
+        # this one's; under load its next try and its resend take a few seconds more.
+        deadline = time.monotonic() + max(3 * RECONNECT_CONNECT_S, 3 * self.ft.host_timeout_s)
         while not all(h in membership.hosts and membership.hosts[h].resent for h in expected):
             if time.monotonic() > deadline:
                 break
@@ -172,6 +176,7 @@ class Coordinator:
         return name
 
     def _publish(self, generation: Generation) -> None:
+        generation = replace(generation, store_address=self.bind_address, store_port=self.store.port)
         self.membership.set_generation(generation)
         # Counted before anyone hears of it: once sent, its members' rendezvous keys arrive at their own pace.
         # The previous generation's keys may still be read by a worker leaving it.

@@ -36,6 +36,10 @@ RESEND_ORDER = ("WorkerStarted", "Ready", "committed", "Progress", "FailureRepor
 
 RECONNECT_ATTEMPT_S = 10.0
 """The longest one try to reach the coordinator again may take (connect, handshake, its answer)."""
+RECONNECT_CONNECT_S = 3.0
+"""The longest a try waits for its TCP connection (a listening coordinator's kernel accepts at once, busy or not;
+one lost SYN is sent again after 1 s): an address gone silent with its node does not hold the agent longer from
+the address a coordinator restarted elsewhere writes meanwhile."""
 
 
 def config_sha256(run_dir: str | Path | None) -> str:
@@ -73,10 +77,12 @@ class CoordinatorLink:
         self._deliver: Callable[[object], None] | None = None
         self._timeout_s = 0.0
 
-    def _connect_once(self, timeout_s: float) -> Channel:
+    def _connect_once(self, timeout_s: float, *, connect_timeout_s: float | None = None) -> Channel:
         """Connect and say Hello, waiting up to `timeout_s` for the coordinator to answer (its listening socket may
         be held for a coordinator that is still starting)."""
-        channel = connect_channel(self.address, secret=self.secret, timeout_s=max(1.0, timeout_s))
+        timeout_s = max(1.0, timeout_s)
+        connect_s = min(connect_timeout_s or timeout_s, timeout_s)
+        channel = connect_channel(self.address, secret=self.secret, timeout_s=timeout_s, connect_timeout_s=connect_s)
         channel.send(
             Hello(
                 role="agent",
@@ -172,10 +178,8 @@ class CoordinatorLink:
             if self.address_file is not None:
                 self.address = read_coordinator_address(self.address_file) or self.address
             try:
-                # Each try bounded: an address that went dead with its node (no reset, only silence) must not hold
-                # the agent from the address a restarted coordinator writes meanwhile.
-                attempt_s = min(deadline - time.monotonic(), RECONNECT_ATTEMPT_S)
-                channel = self._connect_once(attempt_s)
+                attempt_s = max(1.0, min(deadline - time.monotonic(), RECONNECT_ATTEMPT_S))
+                channel = self._connect_once(attempt_s, connect_timeout_s=RECONNECT_CONNECT_S)
                 channel.sock.settimeout(attempt_s)
                 reply = channel.recv()
                 channel.sock.settimeout(None)

@@ -42,6 +42,10 @@ class Generation:
     """Why it began: `start`, `failure`, `grow`, `coordinator_restart`, or a planned move: `drain`, `straggler`."""
     store_prefix: str = ""
     """The c10d store prefix of this generation's process group: unguessable, so only members can rendezvous."""
+    store_address: str = ""
+    store_port: int = 0
+    """Where the c10d store its members rendezvous on listens: the coordinator's, which moves with it when it is
+    restarted on another node. Port 0: the store in the worker's environment (`MASTER_ADDR`, `MASTER_PORT`)."""
     after_step: int = 0
     """A planned move: the members of the generation before keep training until they have committed this step, and
     switch there, at a step boundary (nothing is replayed). 0: at once (a failure, a grow)."""

@@ -93,7 +93,7 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
     state = replica.state
     replica.leave_generation()
     if replica.env.supervised:
-        replica.store = replica.open_store()
+        replica.store = replica.open_store(generation)
     # A member may still be held by the previous generation's process group, whose connect to a peer lost while
     # it formed cannot be cut short (up to the collective timeout): waiting less would fail a healthy spare.
     rendezvous(

@@ -395,9 +395,13 @@ class Replica:
         if self.link is not None:
             self.link.send(message)
 
-    def open_store(self) -> dist.TCPStore:
-        """The c10d store of the process groups' rendezvous (under the coordinator, connected afresh each join)."""
-        return connect_store(self.env, timeout_s=max(self.collective_timeout_s, self.recovery_timeout_s))
+    def open_store(self, generation: Generation | None = None) -> dist.TCPStore:
+        """The c10d store of the process groups' rendezvous: under the coordinator, connected afresh each join, where
+        `generation` says (the coordinator may have been restarted elsewhere since this worker started)."""
+        address = (generation.store_address, generation.store_port) if generation and generation.store_port else None
+        return connect_store(
+            self.env, timeout_s=max(self.collective_timeout_s, self.recovery_timeout_s), address=address
+        )
 
     def leave_generation(self) -> None:
         """Leave this generation's process group at once, parking the work abandoned in it (`collectives`)."""

@@ -1,4 +1,4 @@
-"""A real Slurm cluster for tests: `scripts/slurm_test_cluster.sh up 4` once per session, `down` at the end.
+"""A real Slurm cluster for tests: `scripts/slurm_test_cluster.sh up 8 --quick` once per session, `down` at the end.
 
 A test module asks for it with `pytest_plugins = ["tests.slurm_cluster"]` and a `slurm_cluster` argument. The
 fixture skips where this machine cannot host a cluster (not root, no network namespaces, Slurm not installable),
@@ -85,6 +85,11 @@ class SlurmCluster:
                 raise TimeoutError(f"job {job_id} still {state} after {timeout_s:.0f}s")
             time.sleep(0.2)
 
+    def log_tail(self, name: str, *, lines: int) -> str:
+        """The last lines of one of the cluster's logs (`slurmctld.log`, `slurmd-node1.log`, ...)."""
+        path = STATE_DIR / "log" / name
+        return "".join(path.read_text(errors="replace").splitlines(True)[-lines:]) if path.exists() else "(none)"
+
     def power_off(self, name: str) -> None:
         """Pull the plug on a node: cut its link first, then SIGKILL every process in its namespace (slurmd,
         slurmstepd and the job's tasks), as a machine that loses power goes silent at once."""
@@ -170,7 +175,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     daemon_pids: list[int] = []
     ours = True  # what a partial or timed-out `up` made is ours to remove
     try:
-        up = _script("up", str(NUM_NODES), timeout_s=UP_TIMEOUT_S)
+        up = _script("up", str(NUM_NODES), "--quick", timeout_s=UP_TIMEOUT_S)
         if up.returncode == ALREADY_UP:
             ours = False
             pytest.fail(f"{up.stderr.strip()} (not this session's: left alone)", pytrace=False)

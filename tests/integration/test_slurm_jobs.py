@@ -4,6 +4,7 @@ cancelled with scancel, and bad input refused before anything is submitted."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,9 +20,9 @@ from tests.conftest import OFFLINE, read_summary
 
 pytest_plugins = ["tests.slurm_cluster"]
 
-STEPS = 200
-"""Long enough for a replacement host to start and join and the coordinator's node to be lost while training still
-runs (the job may end while the coordinator's job waits for Slurm to requeue it)."""
+STEPS = 400
+"""Long enough for a replacement host to start and join, and the coordinator's job to be requeued and resumed (10-30 s
+on the quick test cluster) while training still runs."""
 EVENT_TIMEOUT_S = 150.0
 SLURM = ("cluster=slurm", "cluster.backend=gloo", "cluster.shared_run_dir_ok=true")
 """The test cluster's nodes share this machine's /tmp, where pytest's directories are."""
@@ -38,18 +39,51 @@ def start_launcher(token_cache: Path, env: dict[str, str], *args: str) -> subpro
     )
 
 
-def wait_for(what: str, predicate, *, timeout_s: float = EVENT_TIMEOUT_S, launcher: subprocess.Popen | None = None):
-    """Poll `predicate` (a look at the run directory) until it returns something true; fail naming `what`."""
+def wait_for(
+    what: str,
+    predicate,
+    *,
+    timeout_s: float = EVENT_TIMEOUT_S,
+    launcher: subprocess.Popen | None = None,
+    explain=lambda: "",
+):
+    """Poll `predicate` (a look at the run directory) until it returns something true; fail naming `what`, with
+    what `explain()` says of the state of things."""
     deadline = time.monotonic() + timeout_s
     while not (found := predicate()):
         if launcher is not None and launcher.poll() is not None:
             pytest.fail(
                 f"the launcher exited ({launcher.returncode}) while waiting for {what}:\n{launcher.stdout.read()}"
+                f"{explain()}"
             )
         if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+            pytest.fail(f"no {what} within {timeout_s:.0f} s{explain()}")
         time.sleep(0.2)
     return found
+
+
+def launcher_output(launcher: subprocess.Popen, *, timeout_s: float, explain=lambda: "") -> str:
+    """What the launcher printed once it exits; past the timeout it is killed and the test fails with `explain()`."""
+    try:
+        return launcher.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        out, _ = launcher.communicate()
+        pytest.fail(f"the launcher still ran after {timeout_s:.0f} s:\n{out}{explain()}")
+
+
+def diagnosis(slurm_cluster, run_dir: Path) -> str:
+    """For a failure message: Slurm's queue and log, the run's last events and its coordinator's log."""
+    newest = read_events(run_dir / "events")[-40:]
+    parts = {
+        "squeue": slurm_cluster.run("squeue", "--all", timeout_s=15).stdout,
+        "slurmctld.log": slurm_cluster.log_tail("slurmctld.log", lines=30),
+        "the last events": "\n".join(json.dumps(e)[:240] for e in newest),
+        "logs/coordinator.log": "".join((run_dir / "logs" / "coordinator.log").read_text().splitlines(True)[-30:])
+        if (run_dir / "logs" / "coordinator.log").exists()
+        else "(none)",
+    }
+    return "".join(f"\n--- {name} ---\n{text}" for name, text in parts.items())
 
 
 def events(run_dir: Path, name: str) -> list[dict]:
@@ -59,6 +93,12 @@ def events(run_dir: Path, name: str) -> list[dict]:
 def admitted(run_dir: Path) -> set[str]:
     """The hosts the coordinator admitted so far."""
     return {e["host"] for e in events(run_dir, "agent_joined") if e["worker"] == "coordinator"}
+
+
+def ready_on(run_dir: Path, host: str) -> bool:
+    """A worker the coordinator started on `host` is ready (its model built)."""
+    started = {e["worker_name"] for e in events(run_dir, "worker_started") if e["host"] == host}
+    return any(e["worker"] in started for e in events(run_dir, "worker_ready"))
 
 
 def committed_step(run_dir: Path) -> int:
@@ -194,12 +234,15 @@ def test_detached_job_followed_then_cancelled_stops_cleanly(slurm_cluster, token
 
 
 def test_nodes_lost_mid_run_cost_only_their_host(slurm_cluster, token_cache, reference, tmp_path):
-    """Two training nodes and the coordinator's node powered off in turn: the first lost host's ranks go to the spare
-    host; the host task the coordinator's job submits in its place joins as a spare host and takes the second lost
-    host's ranks; the coordinator's job, requeued by Slurm on another node, resumes from its journal and finds every agent
-    (its new address in the run directory). The job completes with the fault-free parameters."""
+    """A training node, the coordinator's node, then a second training node powered off in turn: the first lost
+    host's ranks go to the spare host, and the coordinator's job submits a host task in its place, which joins as a
+    spare host; the coordinator's job, requeued by Slurm on another node, resumes from its journal and finds every
+    agent (its new address in the run directory); the second lost host's ranks go to the replacement host's spare,
+    whose process group meets on the restarted coordinator's store. The job completes with the fault-free
+    parameters."""
     run_dir = tmp_path / "run"
     env = {**os.environ, **slurm_cluster.env}
+    explain = functools.partial(diagnosis, slurm_cluster, run_dir)
     launcher = start_launcher(
         token_cache,
         env,
@@ -210,15 +253,26 @@ def test_nodes_lost_mid_run_cost_only_their_host(slurm_cluster, token_cache, ref
     )
     first_hosts = sorted(wait_for("3 agents", lambda: len(admitted(run_dir)) >= 3 and admitted(run_dir)))
     first, second, spare = first_hosts  # the coordinator trains on the first two names, sorted
-    wait_for("step 10", lambda: committed_step(run_dir) >= 10, launcher=launcher)
+    wait_for("step 10", lambda: committed_step(run_dir) >= 10, launcher=launcher, explain=explain)
     slurm_cluster.power_off(node_of(first))
-    wait_for("the first recovery", lambda: events(run_dir, "generation_started")[1:], launcher=launcher)
+    wait_for(
+        "the first recovery", lambda: events(run_dir, "generation_started")[1:], launcher=launcher, explain=explain
+    )
+    (replacement,) = wait_for(
+        "a replacement host", lambda: admitted(run_dir) - set(first_hosts), launcher=launcher, explain=explain
+    )
+    wait_for("its spare", lambda: ready_on(run_dir, replacement), launcher=launcher, explain=explain)
 
-    (replacement,) = wait_for("a replacement host", lambda: admitted(run_dir) - set(first_hosts), launcher=launcher)
-    slurm_cluster.power_off(node_of(second))
-    wait_for("the second recovery", lambda: events(run_dir, "generation_started")[2:], launcher=launcher)
     slurm_cluster.power_off(coordinator_node(slurm_cluster, run_dir))
-    out, _ = launcher.communicate(timeout=EVENT_TIMEOUT_S + 60)
+    wait_for(
+        "the coordinator's job requeued, resumed and rejoined by every agent",
+        lambda: {e["host"] for e in events(run_dir, "agent_resent")} >= {second, spare, replacement},
+        launcher=launcher,
+        explain=explain,
+    )
+    assert committed_step(run_dir) < STEPS - 20, "the job ended before the second loss: raise STEPS"
+    slurm_cluster.power_off(node_of(second))
+    out = launcher_output(launcher, timeout_s=EVENT_TIMEOUT_S + 60, explain=explain)
 
     assert launcher.returncode == 0, out
     summary = read_summary(run_dir)
@@ -229,4 +283,6 @@ def test_nodes_lost_mid_run_cost_only_their_host(slurm_cluster, token_cache, ref
     assert all(r["detect_s"] >= 2.0 - 0.3 for r in summary["recoveries"]), summary["recoveries"]  # ft.host_timeout_s
     (restart,) = summary["coordinator_restarts"]
     assert restart["completed"], restart
+    (resumed,) = events(run_dir, "coordinator_resumed")
+    assert lost[-1]["t"] > resumed["t"], (lost, resumed)  # the restarted coordinator saw the second loss
     assert node_of(replacement) not in {node_of(first), node_of(second), node_of(spare)}
