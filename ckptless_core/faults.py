@@ -77,6 +77,8 @@ SIGNALS = {
 }
 HOST_KINDS = ("kill_host", "partition")
 """Faults that strike a whole host (through its first rank: when that rank's step is due, the host goes)."""
+IN_STEP_KINDS = ("kill_worker", "hang", *HOST_KINDS)
+"""Faults whose signal (or the host's power-off) takes effect at once, struck inside their step (`FaultInjector.due`)."""
 COORDINATOR = "coordinator"
 """The target of `kill_coordinator`: the coordinator's process, not a worker."""
 
@@ -171,16 +173,34 @@ class FaultInjector:
         spares: list[str],
         recovering: bool,
         sender: str | None,
+        between_steps: frozenset[str] = frozenset(),
     ) -> list[Strike]:
         """Strikes to deliver now. `members`: worker per rank, every rank present (else chaos waits);
         `progress`: committed step per member; `recovering`: a new generation is forming; `sender`: the worker
-        announced as the state source of the forming generation."""
+        announced as the state source of the forming generation; `between_steps`: members that committed a step
+        and have not entered the next."""
         by_rank = {rank: worker for worker, rank in members.items()}
-        strikes = []
-        for event in list(self.pending):
-            target = self._target(
-                event, by_rank=by_rank, progress=progress, spares=spares, recovering=recovering, sender=sender
+        targets = [
+            (
+                event,
+                self._target(
+                    event, by_rank=by_rank, progress=progress, spares=spares, recovering=recovering, sender=sender
+                ),
             )
+            for event in self.pending
+        ]
+        # A rank struck in step N is struck inside it, not between its commit of step N-1 and its entering step N,
+        # where what a worker does after a commit (rank 0 logs the step's metrics) would race the strike. The
+        # faults of one step wait for each other, so that they still strike together.
+        waiting = {
+            event.step
+            for event, target in targets
+            if target in between_steps and progress.get(target) == event.step - 1 and _in_step(event)
+        }
+        strikes = []
+        for event, target in targets:
+            if event.step in waiting and _in_step(event):
+                continue
             # One strike per worker per look: two due at once (the coordinator looked late) would merge into one.
             if target is not None and all(strike.worker != target for strike in strikes):
                 self.pending.remove(event)
@@ -216,6 +236,10 @@ class FaultInjector:
         if worker is None or recovering or reached < event.step - 1:
             return None
         return worker
+
+
+def _in_step(event: FaultEvent) -> bool:
+    return event.kind in IN_STEP_KINDS and event.where != "recovery"
 
 
 class InjectedFault(RuntimeError):

@@ -277,6 +277,11 @@ class Membership:
         """Committed steps per member of the current generation (reports from older generations count too)."""
         return {n: self.workers[n].committed[1] for n in self.generation.members if self.workers[n].committed}
 
+    def between_steps(self) -> frozenset[str]:
+        """Members whose latest progress marker is a commit: they have not entered the next step yet."""
+        members = self.generation.members
+        return frozenset(n for n in members if (p := self.workers[n].position) is not None and p.marker == "committed")
+
     def recovering(self) -> bool:
         """True until every member of the current generation has committed a step in it."""
         return any((self.workers[n].committed or (0, 0))[0] != self.generation.number for n in self.generation.members)

@@ -573,6 +573,29 @@ def test_the_coordinators_own_death_strikes_last_and_a_fired_fault_never_again()
     ] == ["coordinator"]
 
 
+def test_faults_of_one_step_strike_inside_it_together_not_between_a_commit_and_the_next_step():
+    """Rank 0 committed step 12 but has not entered step 13 (it still logs step 12's metrics): a kill in step 13 of
+    it, and of rank 1 with it, waits until rank 0 is inside step 13; then both strike in one look."""
+    members = {"worker0": 0, "worker1": 1}
+    injector = FaultInjector([FaultEvent(kind="kill_worker", rank=r, step=13) for r in (0, 1)])
+
+    def due(between_steps: set[str]) -> list[str]:
+        strikes = injector.due(
+            now=0.0,
+            members=members,
+            progress=dict.fromkeys(members, 12),
+            spares=[],
+            recovering=False,
+            sender=None,
+            between_steps=frozenset(between_steps),
+        )
+        return sorted(s.worker for s in strikes)
+
+    assert due({"worker0"}) == []
+    assert due({"worker0", "worker1"}) == []
+    assert due(set()) == ["worker0", "worker1"]
+
+
 def test_a_job_spec_and_an_outcome_survive_the_file_a_restarted_coordinator_reads(tmp_path):
     from ckptless_core.job import FaultToleranceSpec, JobOutcome, JobSpec
 
