@@ -22,8 +22,11 @@ from ckptless_core.protocol import Generation
 
 CONNECT_TIMEOUT_S = 20.0
 """The longest a generation's process groups may take to connect once every member has passed its rendezvous (they
-connect in milliseconds): a member lost in between costs this, not the collective timeout, as connecting cannot be
-interrupted when the generation is superseded."""
+connect in milliseconds). A member lost in between costs less: the wait for its address gives up as soon as a newer
+generation exists (`GenerationStore`)."""
+_STORE_IN_USE: list = []
+"""The joined generation's `GenerationStore`: its groups (a device mesh's made later too) call back into the Python
+object, which must live as long as they make groups. Replaced at the next join, which closes the one before."""
 WAIT_SLICE = timedelta(milliseconds=20)
 """How often a rank waiting in a collective looks up from it: the longest a new generation goes unnoticed there."""
 _PARKED: list = []
@@ -45,6 +48,49 @@ def connect_store(env: WorkerEnv, *, timeout_s: float, address: tuple[str, int] 
     )
 
 
+class GenerationStore(dist.Store):
+    """The store a generation's process groups connect through: its waits for keys (a member's address, the NCCL
+    id) give up as soon as the generation is superseded (a member lost while the groups connect), where the c10d
+    store's own wait could only time out."""
+
+    def __init__(self, store: dist.Store, *, generation: Generation, link: AgentLink | None) -> None:
+        super().__init__()
+        self.store, self.generation, self.link = store, generation, link
+
+    def set(self, key: str, value) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.store.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        timeout_s = (timeout or self.store.timeout).total_seconds()
+        deadline, pause = time.monotonic() + timeout_s, 0.001
+        while not self.store.check(keys):
+            if self.link is not None and self.link.generation.number != self.generation.number:
+                raise GenerationChanged(f"generation {self.generation.number} was superseded while it connected")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {keys}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
 def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | None, timeout_s: float) -> None:
     """A store barrier that, unlike the process group's own rendezvous, gives up as soon as a newer generation
     exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
@@ -60,7 +106,14 @@ def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | N
 
 
 def init_process_group(
-    generation: Generation, *, worker: str, backend: str, store: dist.Store, timeout_s: float, checkpoint_group: bool
+    generation: Generation,
+    *,
+    worker: str,
+    backend: str,
+    store: dist.Store,
+    link: AgentLink | None,
+    timeout_s: float,
+    checkpoint_group: bool,
 ) -> dist.ProcessGroup | None:
     """The default process group of `generation`, on its own namespace of `store`, and with `checkpoint_group` a gloo
     group of the same members for checkpoint writes (returned). Connecting may take CONNECT_TIMEOUT_S at most; the
@@ -70,9 +123,11 @@ def init_process_group(
     # this rank would wait on keys its peers never write, in every later generation.
     dist.distributed_c10d._world.group_count = 0
     connect = timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
+    connecting = GenerationStore(dist.PrefixStore(generation.store_prefix, store), generation=generation, link=link)
+    _STORE_IN_USE[:] = [connecting]
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(generation.store_prefix, store),
+        store=connecting,
         rank=generation.members[worker],
         world_size=generation.world_size,
         timeout=connect,

@@ -48,7 +48,7 @@ class FaultDriver:
             spares=membership.spares(),
             recovering=membership.recovering(),
             sender=membership.state_sender(),
-            between_steps=membership.between_steps(),
+            entered=membership.steps_entered(),
         )
         for strike in strikes:
             coordinator.journal.write("fault_fired", event=asdict(strike.event), worker=strike.worker, t=time.time())

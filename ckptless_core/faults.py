@@ -173,12 +173,12 @@ class FaultInjector:
         spares: list[str],
         recovering: bool,
         sender: str | None,
-        between_steps: frozenset[str] = frozenset(),
+        entered: dict[str, int] | None = None,
     ) -> list[Strike]:
         """Strikes to deliver now. `members`: worker per rank, every rank present (else chaos waits);
         `progress`: committed step per member; `recovering`: a new generation is forming; `sender`: the worker
-        announced as the state source of the forming generation; `between_steps`: members that committed a step
-        and have not entered the next."""
+        announced as the state source of the forming generation; `entered`: the step each member is in (None: not
+        known, nothing waits for it)."""
         by_rank = {rank: worker for worker, rank in members.items()}
         targets = [
             (
@@ -189,13 +189,13 @@ class FaultInjector:
             )
             for event in self.pending
         ]
-        # A rank struck in step N is struck inside it, not between its commit of step N-1 and its entering step N,
-        # where what a worker does after a commit (rank 0 logs the step's metrics) would race the strike. The
-        # faults of one step wait for each other, so that they still strike together.
+        # A rank struck in step N is struck once it is inside step N: not at the end of step N-1, where the rank
+        # would be lost with what it does once the step is committed (rank 0 logs the step's metrics). The faults
+        # of one step wait for each other, so that they still strike together.
         waiting = {
             event.step
             for event, target in targets
-            if target in between_steps and progress.get(target) == event.step - 1 and _in_step(event)
+            if entered is not None and target is not None and _in_step(event) and entered.get(target, 0) < event.step
         }
         strikes = []
         for event, target in targets:

@@ -277,10 +277,14 @@ class Membership:
         """Committed steps per member of the current generation (reports from older generations count too)."""
         return {n: self.workers[n].committed[1] for n in self.generation.members if self.workers[n].committed}
 
-    def between_steps(self) -> frozenset[str]:
-        """Members whose latest progress marker is a commit: they have not entered the next step yet."""
-        members = self.generation.members
-        return frozenset(n for n in members if (p := self.workers[n].position) is not None and p.marker == "committed")
+    def steps_entered(self) -> dict[str, int]:
+        """Per member, the step (1-based) it is in, or last committed if it has not entered the next one yet."""
+        entered = {}
+        for name in self.generation.members:
+            position = self.workers[name].position
+            if position is not None:
+                entered[name] = position.step + (position.marker != "committed")
+        return entered
 
     def recovering(self) -> bool:
         """True until every member of the current generation has committed a step in it."""

@@ -109,6 +109,7 @@ def join(replica: Replica, generation: Generation, *, detected_at: float) -> Non
         worker=replica.env.worker,
         backend=replica.backend,
         store=replica.store,
+        link=replica.link,
         timeout_s=replica.collective_timeout_s,
         checkpoint_group=state.checkpointer is not None,
     )

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -20,6 +21,7 @@ from ckptless_core.channel import accept_channel, new_secret
 from ckptless_core.checkpoint import Checkpointer, NoUsableCheckpoint, load_latest_checkpoint
 from ckptless_core.checkpoint_schedule import CheckpointSchedule, young_daly_interval_s
 from ckptless_core.checksum import state_checksum
+from ckptless_core.collectives import CONNECT_TIMEOUT_S, init_process_group
 from ckptless_core.dist import WorkerEnv, resolve_backend
 from ckptless_core.events import EventLog, read_events, read_jsonl
 from ckptless_core.faults import FaultEvent, FaultInjector
@@ -333,8 +335,10 @@ def test_state_moves_in_flat_buckets_and_arrives_bitwise(tmp_path):
     assert state_checksum(sent["state"].values(), salt=7) == state_checksum(received["state"].values(), salt=7)
 
 
-def test_a_new_generation_stops_a_survivors_forward_and_backward(tmp_path, monkeypatch):
-    """The agent link receives a new generation; the next module call or parameter gradient raises."""
+@pytest.fixture
+def linked_replica(tmp_path, monkeypatch):
+    """A supervised Replica (rank 0, its store served here) linked to a stand-in agent: the channel it yields sends
+    the replica generations as a node agent relays them."""
     secret = new_secret()
     listener = socket.create_server(("127.0.0.1", 0))
     monkeypatch.setenv("CKPTLESS_AGENT_PORT", str(listener.getsockname()[1]))
@@ -362,24 +366,52 @@ def test_a_new_generation_stops_a_survivors_forward_and_backward(tmp_path, monke
     channel = accepted["channel"]
     try:
         assert accepted["hello"].name == "worker0"
-        first = Generation(number=1, members={"worker0": 0})
-        channel.send(first)
-        replica.link.wait_for_generation(newer_than=0, timeout_s=10)
-        replica.generation = first
-        model = build_net()
-        replica.interrupt_compute_on_new_generation(model)
-        local_loss(model, 0).backward()  # same generation: nothing stops
-        loss = local_loss(model, 0)
-        channel.send(Generation(number=2, members={"worker0": 0}))
-        replica.link.wait_for_generation(newer_than=1, timeout_s=10)
-        with pytest.raises(GenerationChanged):
-            loss.backward()  # the forward was done when the generation came: the backward stops
-        with pytest.raises(GenerationChanged):
-            local_loss(model, 0)
+        yield replica, channel, store
     finally:
         replica.close()
         channel.close()
         listener.close()
+
+
+def test_a_new_generation_stops_a_survivors_forward_and_backward(linked_replica):
+    """The agent link receives a new generation; the next module call or parameter gradient raises."""
+    replica, channel, _ = linked_replica
+    first = Generation(number=1, members={"worker0": 0})
+    channel.send(first)
+    replica.link.wait_for_generation(newer_than=0, timeout_s=10)
+    replica.generation = first
+    model = build_net()
+    replica.interrupt_compute_on_new_generation(model)
+    local_loss(model, 0).backward()  # same generation: nothing stops
+    loss = local_loss(model, 0)
+    channel.send(Generation(number=2, members={"worker0": 0}))
+    replica.link.wait_for_generation(newer_than=1, timeout_s=10)
+    with pytest.raises(GenerationChanged):
+        loss.backward()  # the forward was done when the generation came: the backward stops
+    with pytest.raises(GenerationChanged):
+        local_loss(model, 0)
+
+
+def test_a_process_group_connecting_to_a_member_that_never_comes_gives_up_once_superseded(linked_replica):
+    """Generation 1 names a second member that never connects (lost after the rendezvous): the gloo connect waiting
+    for its address gives up when generation 2 is published, long before the connect timeout."""
+    replica, channel, store = linked_replica
+    first = Generation(number=1, members={"worker0": 0, "worker1": 1}, store_prefix="t/gen1")
+    channel.send(first)
+    replica.link.wait_for_generation(newer_than=0, timeout_s=10)
+    threading.Timer(0.5, lambda: channel.send(Generation(number=2, members={"worker0": 0}))).start()
+    started = time.monotonic()
+    with pytest.raises(GenerationChanged, match="superseded while it connected"):
+        init_process_group(
+            first,
+            worker="worker0",
+            backend="gloo",
+            store=store,
+            link=replica.link,
+            timeout_s=10,
+            checkpoint_group=False,
+        )
+    assert time.monotonic() - started < CONNECT_TIMEOUT_S / 2
 
 
 # --- dist and layering ----------------------------------------------------------------------------------------------
@@ -573,27 +605,22 @@ def test_the_coordinators_own_death_strikes_last_and_a_fired_fault_never_again()
     ] == ["coordinator"]
 
 
-def test_faults_of_one_step_strike_inside_it_together_not_between_a_commit_and_the_next_step():
-    """Rank 0 committed step 12 but has not entered step 13 (it still logs step 12's metrics): a kill in step 13 of
-    it, and of rank 1 with it, waits until rank 0 is inside step 13; then both strike in one look."""
+def test_faults_of_one_step_strike_once_their_targets_are_inside_it_and_together():
+    """Rank 1 committed step 12; rank 0 has not (it still ends step 12, then logs its metrics): a kill in step 13 of
+    rank 0, and of rank 1 with it, waits until both are inside step 13; then both strike in one look."""
     members = {"worker0": 0, "worker1": 1}
     injector = FaultInjector([FaultEvent(kind="kill_worker", rank=r, step=13) for r in (0, 1)])
 
-    def due(between_steps: set[str]) -> list[str]:
+    def due(entered: dict[str, int]) -> list[str]:
+        progress = {name: min(step, 12) for name, step in entered.items()}
         strikes = injector.due(
-            now=0.0,
-            members=members,
-            progress=dict.fromkeys(members, 12),
-            spares=[],
-            recovering=False,
-            sender=None,
-            between_steps=frozenset(between_steps),
+            now=0.0, members=members, progress=progress, spares=[], recovering=False, sender=None, entered=entered
         )
         return sorted(s.worker for s in strikes)
 
-    assert due({"worker0"}) == []
-    assert due({"worker0", "worker1"}) == []
-    assert due(set()) == ["worker0", "worker1"]
+    assert due({"worker0": 12, "worker1": 12}) == []  # rank 0 in step 12 (or past its end, not yet in 13)
+    assert due({"worker0": 12, "worker1": 13}) == []
+    assert due({"worker0": 13, "worker1": 13}) == ["worker0", "worker1"]
 
 
 def test_a_job_spec_and_an_outcome_survive_the_file_a_restarted_coordinator_reads(tmp_path):
