@@ -53,8 +53,11 @@ class GenerationStore(dist.Store):
     id) give up as soon as the generation is superseded (a member lost while the groups connect), where the c10d
     store's own wait could only time out."""
 
-    def __init__(self, store: dist.Store, *, generation: Generation, link: AgentLink | None) -> None:
+    def __init__(
+        self, store: dist.Store, *, generation: Generation, link: AgentLink | None, timeout: timedelta
+    ) -> None:
         super().__init__()
+        self.set_timeout(timeout)  # (the base's own is 5 minutes: whatever reads it must see the connect timeout)
         self.store, self.generation, self.link = store, generation, link
 
     def set(self, key: str, value) -> None:
@@ -80,7 +83,7 @@ class GenerationStore(dist.Store):
         return self.store.num_keys()
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        timeout_s = (timeout or self.store.timeout).total_seconds()
+        timeout_s = min(timeout or self.timeout, self.timeout).total_seconds()
         deadline, pause = time.monotonic() + timeout_s, 0.001
         while not self.store.check(keys):
             if self.link is not None and self.link.generation.number != self.generation.number:
@@ -123,7 +126,8 @@ def init_process_group(
     # this rank would wait on keys its peers never write, in every later generation.
     dist.distributed_c10d._world.group_count = 0
     connect = timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
-    connecting = GenerationStore(dist.PrefixStore(generation.store_prefix, store), generation=generation, link=link)
+    prefixed = dist.PrefixStore(generation.store_prefix, store)
+    connecting = GenerationStore(prefixed, generation=generation, link=link, timeout=connect)
     _STORE_IN_USE[:] = [connecting]
     dist.init_process_group(
         backend=backend,
