@@ -84,14 +84,13 @@ class GenerationStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout_s = min(timeout or self.timeout, self.timeout).total_seconds()
-        deadline, pause = time.monotonic() + timeout_s, 0.001
-        while not self.store.check(keys):
-            if self.link is not None and self.link.generation.number != self.generation.number:
-                raise GenerationChanged(f"generation {self.generation.number} was superseded while it connected")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {keys}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        wait_unless_superseded(
+            lambda: self.store.check(keys),
+            self.generation,
+            link=self.link,
+            timeout_s=timeout_s,
+            what=f"keys {keys} (while the groups connected)",
+        )
 
 
 def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | None, timeout_s: float) -> None:
@@ -99,12 +98,26 @@ def rendezvous(store: dist.Store, generation: Generation, *, link: AgentLink | N
     exists (a member died before joining), so nobody waits out a timeout on a generation that cannot form."""
     prefix = f"{generation.store_prefix}/joined"
     store.add(prefix, 1)
+    wait_unless_superseded(
+        lambda: int(store.add(prefix, 0)) >= generation.world_size,
+        generation,
+        link=link,
+        timeout_s=timeout_s,
+        what="every member at the rendezvous",
+    )
+
+
+def wait_unless_superseded(
+    ready: Callable[[], bool], generation: Generation, *, link: AgentLink | None, timeout_s: float, what: str
+) -> None:
+    """Poll `ready` (a look at the store) every 5 ms: GenerationChanged as soon as a newer generation than
+    `generation` exists, TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while int(store.add(prefix, 0)) < generation.world_size:
+    while not ready():
         if link is not None and link.generation.number != generation.number:
-            raise GenerationChanged(f"generation {generation.number} was superseded while forming")
+            raise GenerationChanged(f"generation {generation.number} was superseded while waiting for {what}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"generation {generation.number} did not form within {timeout_s:.0f} s")
+            raise TimeoutError(f"generation {generation.number}: no {what} within {timeout_s:.0f} s")
         time.sleep(0.005)
 
 

@@ -1,8 +1,8 @@
-"""A real Slurm cluster for tests: `scripts/slurm_test_cluster.sh up 8 --quick` once per session, `down` at the end.
+"""A real Slurm cluster for tests: `scripts/slurm_test_cluster.sh up 8 --quick`, then `down`.
 
-A test module asks for it with `pytest_plugins = ["tests.slurm_cluster"]` and a `slurm_cluster` argument. The
-fixture skips where this machine cannot host a cluster (not root, no network namespaces, Slurm not installable),
-and after `down` asserts that nothing of the cluster is left: namespaces, links, state directory, daemons.
+`tests/integration/slurm/conftest.py` makes `running_cluster` its package's `slurm_cluster` fixture: the cluster is
+up from that package's first test to its last, and gone before the rest of the suite runs. It skips where this
+machine cannot host a cluster (not root, no network namespaces, Slurm not installable), and after `down` asserts that nothing of the cluster is left: namespaces, links, state directory, daemons.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ STATE_DIR = Path("/run/cks-slurm")
 NAME_PREFIX = "cks-"
 """Every namespace and link the script makes starts with this."""
 NUM_NODES = 8
-"""Nodes powered off stay down: enough for every test of the session (test_slurm_jobs loses three)."""
+"""Nodes powered off stay down: enough for every test of the package (test_cluster loses one, test_jobs three)."""
 UNAVAILABLE = 3
 """The script's exit status when this machine cannot host a cluster."""
 ALREADY_UP = 4
@@ -165,8 +165,7 @@ def _leftovers(*, netns_inodes: set[int], daemon_pids: list[int]) -> list[str]:
     return left
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
+def running_cluster() -> Iterator[SlurmCluster]:
     """slurmctld plus NUM_NODES slurmd (node1..node8), each node in its own network namespace; all idle when yielded."""
     reason = _skip_reason()
     if reason:

@@ -1,5 +1,5 @@
 """`cluster=slurm` without Slurm: the batch scripts a dry run prints (every option where it belongs), the refusals
-made when composing, and the kinds' own defaults. The real cluster's tests are in tests/integration/test_slurm_jobs."""
+made when composing, and the kinds' own defaults. The real cluster's tests are in tests/integration/slurm/test_jobs.py."""
 
 from __future__ import annotations
 

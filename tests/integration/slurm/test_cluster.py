@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 
-pytest_plugins = ["tests.slurm_cluster"]
-
-NOT_RESPONDING_TIMEOUT_S = 45.0  # SlurmdTimeout=10: sinfo marks it within 12-30 s
+NOT_RESPONDING_TIMEOUT_S = 45.0  # SlurmdTimeout=5 (--quick): sinfo marks it within 10-30 s
 
 
 def test_runs_a_two_node_job_then_reports_a_powered_off_node(slurm_cluster, tmp_path):

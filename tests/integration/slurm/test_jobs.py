@@ -18,8 +18,6 @@ import pytest
 from ckptless_core.events import read_events
 from tests.conftest import OFFLINE, read_summary
 
-pytest_plugins = ["tests.slurm_cluster"]
-
 STEPS = 400
 """Long enough for a replacement host to start and join, and the coordinator's job to be requeued and resumed (10-30 s
 on the quick test cluster) while training still runs."""
