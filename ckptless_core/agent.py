@@ -60,6 +60,7 @@ from ckptless_core.protocol import (
     WorkerExited,
     WorkerStarted,
 )
+from ckptless_core.warm_forks import WarmForks
 from ckptless_core.worker_links import CONNECT_GRACE_S, WorkerLinks
 from ckptless_core.worker_process import exit_with, run_worker
 
@@ -113,7 +114,9 @@ class Agent:
         self.said_leaving = False
         """The coordinator was told (`Leaving`): it stops the job if no host would be left to train on."""
 
-    def run(self, *, preload: list[str]) -> int:
+    def run(self, *, preload: list[str], forks: WarmForks | None = None) -> int:
+        """Serve the job until it ends; workers are forked by `forks` (a warm fork server) where given, else by a
+        fork server of this agent's that imports `preload` (default: the job's)."""
         try:
             reply = self.uplink.channel.recv()
         except ChannelClosed:
@@ -124,7 +127,7 @@ class Agent:
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
         self.job = HostJob(**reply.job)
-        self.context = start_fork_server(preload or self.job.preload)
+        self.context = forks or start_fork_server(preload or self.job.preload)
         self.events = EventLog(
             Path(self.job.run_dir) / "events" / f"agent-{self.host}.jsonl", worker=f"agent-{self.host}"
         )
@@ -406,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None, help="the run directory (shared storage): its config is checked")
     parser.add_argument("--ifname", default=None, help="network interface for the collective backend on this host")
     parser.add_argument("--preload", nargs="*", default=[], help="modules the fork server imports once")
+    parser.add_argument(
+        "--fork-server-fd",
+        type=int,
+        default=None,
+        help="a socket to a warm fork server (ckptless_core.warm_forks) that forks the workers instead",
+    )
     parser.add_argument("--connect-timeout-s", type=float, default=60.0)
     parser.add_argument("--exit-with-parent", action="store_true", help="die with the process that started it")
     options = parser.parse_args(argv)
@@ -418,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         secret = read_secret(path=options.secret_file, hex_value=os.environ.get("CKPTLESS_SECRET"))
-        if options.preload:
+        forks = None if options.fork_server_fd is None else WarmForks(socket.socket(fileno=options.fork_server_fd))
+        if options.preload and forks is None:
             start_fork_server(options.preload)  # overlap the imports with joining the coordinator
         agent = _connect(options, secret)
     except JobEnded as ended:
@@ -427,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ProtocolError) as error:
         print(f"agent {options.host}: {error}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
-    return agent.run(preload=options.preload)
+    return agent.run(preload=options.preload, forks=forks)
 
 
 def _connect(options, secret: bytes) -> Agent:

@@ -28,7 +28,17 @@ def check(job: JobConfig) -> None:
 
 
 def warm_up(job: JobConfig) -> CoordinatorProcess:
-    return LocalCluster(preload=worker_preload(job), start_timeout_s=job.cluster.start_timeout_s)
+    return LocalCluster(
+        preload=worker_preload(job), start_timeout_s=job.cluster.start_timeout_s, warm_forks=_workers_on_cpu(job)
+    )
+
+
+def _workers_on_cpu(job: JobConfig) -> bool:
+    """Whether the workers train on CPU (gloo, or a torch without CUDA): then they can be forked from the launcher's
+    own imports (`LocalCluster(warm_forks=True)`); CUDA workers come from a fresh interpreter."""
+    import torch
+
+    return job.cluster.backend == "gloo" or not torch.backends.cuda.is_built()
 
 
 def coordinator(job: JobConfig, *, run_dir: Path, warm: CoordinatorProcess | None) -> CoordinatorProcess:
