@@ -46,7 +46,7 @@ def bare_loop(config_path: Path, *, steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from recipes.data import TokenSampler
+    from recipes.evaluate import build_samplers
     from recipes.model import build_model
     from recipes.schema import load_config
     from recipes.train import prepare
@@ -60,7 +60,7 @@ def bare_loop(config_path: Path, *, steps: int) -> dict:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
     )
-    sampler = TokenSampler(prepare(job), seq_len=job.data.seq_len, seed=job.seed)
+    sampler, _ = build_samplers(job, prepare(job))  # (the workers' own training sampler)
     global_batch, micro_batch = job.trainer.global_batch_size, job.trainer.micro_batch_size
     num_micro = global_batch // micro_batch
     step_s, losses, first_step_t = [], [], None
