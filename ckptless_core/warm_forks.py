@@ -92,7 +92,7 @@ def _serve(channel: socket.socket, preload: Sequence[str], parent: int) -> int:
             return 0
         if wake_r in ready:
             os.read(wake_r, 4096)
-            for pid, code in _reaped():
+            for pid, code in reaped_children():
                 write_end = statuses.pop(pid, None)
                 if write_end is not None:
                     os.write(write_end, _PID.pack(code))
@@ -132,7 +132,8 @@ def _run_child(target: Callable, kwargs: dict, *, close: list[int]) -> None:
         os._exit(code)
 
 
-def _reaped() -> list[tuple[int, int]]:
+def reaped_children() -> list[tuple[int, int]]:
+    """(pid, exit code) of every child of this process that ended, reaped now (negative: killed by that signal)."""
     ended = []
     while True:
         try:

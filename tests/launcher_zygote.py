@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from ckptless_core.warm_forks import reaped_children
+
 START_TIMEOUT_S = 60.0
 """Longest wait for the zygote's imports, or for a launch's pid."""
 
@@ -74,20 +76,8 @@ def serve() -> None:
                     print(json.dumps({"id": request["id"], "pid": pid}), file=answers, flush=True)
             else:
                 os.read(wakeup_r, 4096)
-        for pid, code in _reap():
+        for pid, code in reaped_children():
             print(json.dumps({"id": ids.pop(pid), "returncode": code}), file=answers, flush=True)
-
-
-def _reap() -> list[tuple[int, int]]:
-    ended = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return ended
-        if pid == 0:
-            return ended
-        ended.append((pid, os.waitstatus_to_exitcode(status)))
 
 
 def _launch(request: dict, *zygote_fds: int) -> None:
