@@ -28,7 +28,8 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 
-_PID = struct.Struct("!q")
+_NUMBER = struct.Struct("!q")
+"""A pid, a request's length or an exit code, on the wire."""
 
 
 def can_fork_here() -> bool:
@@ -73,7 +74,8 @@ def _serve(channel: socket.socket, preload: Sequence[str], parent: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     keep = {0, 1, 2, channel.fileno(), parent_gone, wake_r, wake_w}
-    for fd in _open_fds():  # what the launcher had open is none of the workers' business
+    # What the launcher had open is none of the workers' business (Linux, as can_fork_here requires: /proc).
+    for fd in map(int, os.listdir("/proc/self/fd")):
         if fd not in keep:
             try:
                 os.close(fd)
@@ -95,7 +97,7 @@ def _serve(channel: socket.socket, preload: Sequence[str], parent: int) -> int:
             for pid, code in reaped_children():
                 write_end = statuses.pop(pid, None)
                 if write_end is not None:
-                    os.write(write_end, _PID.pack(code))
+                    os.write(write_end, _NUMBER.pack(code))
                     os.close(write_end)
         if channel in ready:
             request = _receive(channel)
@@ -108,7 +110,7 @@ def _serve(channel: socket.socket, preload: Sequence[str], parent: int) -> int:
                 os.close(sentinel_r)
                 os.close(sentinel_w)
                 _run_child(target, kwargs, close=[channel.fileno(), parent_gone, wake_r, wake_w, *statuses.values()])
-            socket.send_fds(channel, [_PID.pack(pid)], [sentinel_r])
+            socket.send_fds(channel, [_NUMBER.pack(pid)], [sentinel_r])
             os.close(sentinel_r)
             statuses[pid] = sentinel_w
 
@@ -146,10 +148,10 @@ def reaped_children() -> list[tuple[int, int]]:
 
 
 def _receive(channel: socket.socket) -> tuple[Callable, dict] | None:
-    header = _read_exactly(channel, _PID.size)
+    header = _read_exactly(channel, _NUMBER.size)
     if header is None:
         return None
-    body = _read_exactly(channel, _PID.unpack(header)[0])
+    body = _read_exactly(channel, _NUMBER.unpack(header)[0])
     return None if body is None else pickle.loads(body)
 
 
@@ -163,13 +165,6 @@ def _read_exactly(channel: socket.socket, size: int) -> bytes | None:
     return data
 
 
-def _open_fds() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return list(range(3, 256))
-
-
 class WarmForks:
     """The agent's side: `Process(target=..., kwargs=..., name=...)` as a multiprocessing context offers it, each
     process forked by the warm fork server at the other end of `channel`."""
@@ -179,24 +174,24 @@ class WarmForks:
         self.lock = threading.Lock()
 
     def Process(self, *, target: Callable, kwargs: dict, name: str, daemon: bool = False) -> WarmProcess:  # noqa: N802
-        return WarmProcess(self, target, kwargs, name)
+        return WarmProcess(self, target, kwargs)
 
     def fork(self, target: Callable, kwargs: dict) -> tuple[int, int]:
         """Start `target(**kwargs)` in a new process: its pid and its sentinel."""
         body = pickle.dumps((target, kwargs))
         with self.lock:
-            self.channel.sendall(_PID.pack(len(body)) + body)
-            message, fds, _, _ = socket.recv_fds(self.channel, _PID.size, 1)
-        if len(message) != _PID.size or len(fds) != 1:
+            self.channel.sendall(_NUMBER.pack(len(body)) + body)
+            message, fds, _, _ = socket.recv_fds(self.channel, _NUMBER.size, 1)
+        if len(message) != _NUMBER.size or len(fds) != 1:
             raise OSError("the warm fork server is gone")
-        return _PID.unpack(message)[0], fds[0]
+        return _NUMBER.unpack(message)[0], fds[0]
 
 
 class WarmProcess:
     """A worker process of a `WarmForks`, with what the agent uses of `multiprocessing.Process`."""
 
-    def __init__(self, forks: WarmForks, target: Callable, kwargs: dict, name: str) -> None:
-        self.forks, self.target, self.kwargs, self.name = forks, target, kwargs, name
+    def __init__(self, forks: WarmForks, target: Callable, kwargs: dict) -> None:
+        self.forks, self.target, self.kwargs = forks, target, kwargs
         self.pid: int | None = None
         self.sentinel: int | None = None
         self._exitcode: int | None = None
@@ -207,8 +202,8 @@ class WarmProcess:
     @property
     def exitcode(self) -> int | None:
         if self._exitcode is None and self.sentinel is not None and select.select([self.sentinel], [], [], 0)[0]:
-            data = os.read(self.sentinel, _PID.size)
-            self._exitcode = _PID.unpack(data)[0] if len(data) == _PID.size else -signal.SIGKILL  # server gone
+            data = os.read(self.sentinel, _NUMBER.size)
+            self._exitcode = _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -signal.SIGKILL  # server gone
             os.close(self.sentinel)
             self.sentinel = None
         return self._exitcode
@@ -217,9 +212,6 @@ class WarmProcess:
         if self.sentinel is not None:
             select.select([self.sentinel], [], [], timeout)
         _ = self.exitcode
-
-    def is_alive(self) -> bool:
-        return self.pid is not None and self.exitcode is None
 
     def __del__(self) -> None:
         if self.sentinel is not None:  # (a process given up on while it still ran)

@@ -2,7 +2,8 @@
 
 `tests/integration/slurm/conftest.py` makes `running_cluster` its package's `slurm_cluster` fixture: the cluster is
 up from that package's first test to its last, and gone before the rest of the suite runs. It skips where this
-machine cannot host a cluster (not root, no network namespaces, Slurm not installable), and after `down` asserts that nothing of the cluster is left: namespaces, links, state directory, daemons.
+machine cannot host a cluster (not root, no network namespaces, Slurm not installable), and after `down` asserts
+that nothing of the cluster is left: namespaces, links, state directory, daemons.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ for name, process in {"exits": started(exits, code=3), "raises": started(raises)
     results[name] = process.exitcode
 sleeper = started(sleeps)
 sleeper.join(timeout=0.2)
-results["alive"] = sleeper.is_alive() and sleeper.exitcode is None
+results["alive"] = sleeper.exitcode is None
 os.kill(sleeper.pid, signal.SIGKILL)
 sleeper.join(timeout=30)
 results["killed"] = sleeper.exitcode
